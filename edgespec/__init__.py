@@ -1,0 +1,1 @@
+"""edgespec: exact speculative decoding."""

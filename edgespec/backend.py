@@ -1,0 +1,40 @@
+"""The small protocol every model backend implements (toy, ONNX Runtime, XLA).
+
+A backend owns one model and its KV cache for one sequence (batch 1). The cache holds the
+first ``length`` tokens of the sequence; rolling back after a rejected draft moves that position,
+it does not copy data.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One causal language model with a KV cache, driven token-block by token-block.
+
+    Attributes:
+        vocab_size: number of logits per position.
+        max_length: the most tokens the cache can hold (model positions or static buffers).
+        length: tokens currently in the cache.
+    """
+
+    vocab_size: int
+    max_length: int
+
+    @property
+    def length(self) -> int: ...
+
+    def prefill(self, ids: np.ndarray) -> np.ndarray:
+        """Reset the cache, process ``ids`` ([n] int64, n >= 1); return the last position's logits [V]."""
+
+    def extend(self, ids: np.ndarray) -> np.ndarray:
+        """Append ``ids`` ([k] int64, k >= 1) to the cache; return logits for each new position [k, V]."""
+
+    def rewind_to(self, n: int) -> None:
+        """Forget every cached token after the first ``n`` (0 <= n <= length); O(1)."""
+
+    def free(self) -> None:
+        """Release the cache (the backend may be used again after ``prefill``)."""

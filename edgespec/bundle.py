@@ -1,0 +1,293 @@
+"""Bundle manifest (``edgespec.json``) and safe bundle loading.
+
+A bundle is a folder::
+
+    BUNDLE/
+      edgespec.json          versioned manifest (schema below)
+      target/                ONNX graph(s), tokenizer.json, config.json, ...
+      draft/                 same layout (absent for a single-model bundle)
+
+Loading never needs torch or the ``onnx`` package: the ``.onnx`` files are checked with a small
+protobuf walker that detects truncation, Git LFS pointers, and external-data references that
+would read outside the model folder.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import contract
+from .errors import BundleError, UnsafeFileError
+
+LFS_POINTER_PREFIX = b"version https://git-lfs"
+
+
+@dataclass(frozen=True)
+class ModelManifest:
+    """What the runtime (and memory-read accounting) needs to know about one exported model."""
+
+    path: str  # folder inside the bundle ("target" or "draft")
+    architecture: str  # e.g. "LlamaForCausalLM"
+    model_type: str  # e.g. "llama"
+    kind: str  # contract.KIND_DECODER or contract.KIND_SEQ2SEQ
+    files: dict[str, str]  # graph role -> file name (contract.GRAPH_FILES)
+    vocab_size: int  # logits per position (embedding rows, may exceed the tokenizer)
+    tokenizer_size: int
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    pad_token_id: int | None
+    decoder_start_token_id: int | None
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    max_positions: int
+    dtype: str  # "fp32" | "fp16": dtype of activations / KV cache
+    quantization: str  # "none" | "int8-dynamic"
+    parameter_bytes: dict[str, int]  # total / per_forward (weights read by one decoder forward) / encoder
+    validation: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BundleManifest:
+    schema_version: int
+    models: dict[str, ModelManifest]  # role -> model
+    shared_vocab_size: int  # ids compared between draft and target (= target vocab if no draft)
+    opset: int
+    library_versions: dict[str, str]
+    tokenizer_check: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def target(self) -> ModelManifest:
+        return self.models[contract.ROLE_TARGET]
+
+    @property
+    def draft(self) -> ModelManifest | None:
+        return self.models.get(contract.ROLE_DRAFT)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": "edgespec-bundle", **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "edgespec.json") -> "BundleManifest":
+        version = data.get("schema_version")
+        if version not in contract.SUPPORTED_SCHEMA_VERSIONS:
+            raise BundleError(
+                f"{where}: manifest schema version {version!r} is not supported by this edgespec "
+                f"(supported: {', '.join(map(str, contract.SUPPORTED_SCHEMA_VERSIONS))}); "
+                "re-export the bundle with this edgespec version (`edgespec export ...`)"
+            )
+        try:
+            models = {role: ModelManifest(**m) for role, m in data["models"].items()}
+            manifest = cls(
+                schema_version=version,
+                models=models,
+                shared_vocab_size=int(data["shared_vocab_size"]),
+                opset=int(data["opset"]),
+                library_versions=dict(data.get("library_versions", {})),
+                tokenizer_check=dict(data.get("tokenizer_check", {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BundleError(f"{where}: manifest is malformed ({exc!r}); re-export the bundle with `edgespec export`") from exc
+        if contract.ROLE_TARGET not in models:
+            raise BundleError(f"{where}: manifest has no target model; re-export the bundle with `edgespec export`")
+        for role, m in models.items():
+            if m.kind not in contract.GRAPH_FILES:
+                raise BundleError(f"{where}: model {role!r} has unknown kind {m.kind!r}; re-export the bundle")
+        return manifest
+
+
+def write_manifest(folder: Path, manifest: BundleManifest) -> Path:
+    path = Path(folder) / contract.MANIFEST_NAME
+    path.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    return path
+
+
+def load_bundle(folder: str | os.PathLike) -> BundleManifest:
+    """Read and verify a bundle: manifest, files present and intact, no unsafe external data."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise BundleError(f"bundle folder {str(root)!r} does not exist; pass the folder written by `edgespec export --out`")
+    mpath = root / contract.MANIFEST_NAME
+    if not mpath.is_file():
+        raise BundleError(
+            f"{str(root)!r} has no {contract.MANIFEST_NAME}; it is not an edgespec bundle "
+            "(or an export was interrupted): run `edgespec export` again"
+        )
+    raw = mpath.read_bytes()
+    if raw.startswith(LFS_POINTER_PREFIX):
+        raise BundleError(f"{mpath} is a Git LFS pointer, not the file; run `git lfs pull` in the repository")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{mpath} is not valid JSON ({exc}); re-export the bundle with `edgespec export`") from exc
+    if not isinstance(data, dict):
+        raise BundleError(f"{mpath} is not a JSON object; re-export the bundle with `edgespec export`")
+    manifest = BundleManifest.from_dict(data, where=str(mpath))
+    for role, model in manifest.models.items():
+        check_model_folder(root, model, role)
+    return manifest
+
+
+def model_dir(root: str | os.PathLike, model: ModelManifest) -> Path:
+    return Path(root) / model.path
+
+
+def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
+    folder = root / model.path
+    if Path(model.path).is_absolute() or ".." in Path(model.path).parts:
+        raise UnsafeFileError(f"manifest path {model.path!r} for {role} leaves the bundle; re-export the bundle")
+    if not folder.is_dir():
+        raise BundleError(f"bundle is missing the {role} folder {str(folder)!r}; copy the whole bundle or re-export it")
+    expected = contract.GRAPH_FILES[model.kind]
+    if set(model.files) != set(expected):
+        raise BundleError(f"{role}: manifest lists graphs {sorted(model.files)} but a {model.kind} model needs {sorted(expected)}; re-export")
+    for name in [*model.files.values(), contract.TOKENIZER_FILE]:
+        p = folder / name
+        if not p.is_file():
+            raise BundleError(f"bundle is missing {p}; copy the whole bundle or re-export it with `edgespec export`")
+        if p.stat().st_size == 0:
+            raise BundleError(f"{p} is empty (interrupted copy?); copy the bundle again or re-export it")
+        with open(p, "rb") as fh:
+            if fh.read(len(LFS_POINTER_PREFIX)) == LFS_POINTER_PREFIX:
+                raise BundleError(
+                    f"{p} is a Git LFS pointer file, not the model; run `git lfs pull` (or download the real file) "
+                    "in the repository the bundle came from"
+                )
+    for name in model.files.values():
+        check_onnx_file(folder / name)
+
+
+# ---- minimal protobuf walk over an ONNX ModelProto ------------------------------------------------
+# Wire format: each field is a varint key (field_number << 3 | wire_type) followed by a varint
+# (type 0), 8 bytes (1), a varint length + bytes (2) or 4 bytes (5). We descend only into the
+# messages that can hold tensors: ModelProto.graph (7) and .functions (25), GraphProto.node (1),
+# .initializer (5), .sparse_initializer (15), NodeProto.attribute (5), FunctionProto.node (7),
+# AttributeProto.t (5) .g (6) .tensors (10) .graphs (11), SparseTensorProto.values (1) .indices (2),
+# TensorProto.external_data (13) holding StringStringEntryProto {key 1, value 2}.
+
+_GRAPH_CHILDREN = {1: "node", 5: "tensor", 15: "sparse"}
+_NODE_CHILDREN = {5: "attribute"}
+_ATTR_CHILDREN = {5: "tensor", 6: "graph", 10: "tensor", 11: "graph"}
+_SPARSE_CHILDREN = {1: "tensor", 2: "tensor"}
+_FUNCTION_CHILDREN = {7: "node"}
+
+
+class _Truncated(Exception):
+    pass
+
+
+def _varint(buf, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end:
+            raise _Truncated
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise _Truncated
+
+
+def _fields(buf, start: int, end: int):
+    """Yield (field_number, wire_type, value_start, value_end_or_varint) for one message."""
+    pos = start
+    while pos < end:
+        key, pos = _varint(buf, pos, end)
+        num, wt = key >> 3, key & 7
+        if num == 0:
+            raise _Truncated
+        if wt == 0:
+            v, pos = _varint(buf, pos, end)
+            yield num, wt, v, pos
+        elif wt == 1:
+            pos += 8
+            yield num, wt, pos - 8, pos
+        elif wt == 2:
+            n, pos = _varint(buf, pos, end)
+            if pos + n > end:
+                raise _Truncated
+            yield num, wt, pos, pos + n
+            pos += n
+        elif wt == 5:
+            pos += 4
+            yield num, wt, pos - 4, pos
+        else:
+            raise _Truncated
+    if pos != end:
+        raise _Truncated
+
+
+def _external_locations(buf, start: int, end: int, kind: str, out: list[str]) -> None:
+    children = {"graph": _GRAPH_CHILDREN, "node": _NODE_CHILDREN, "attribute": _ATTR_CHILDREN,
+                "sparse": _SPARSE_CHILDREN, "function": _FUNCTION_CHILDREN}.get(kind)
+    if kind == "tensor":
+        for num, wt, a, b in _fields(buf, start, end):
+            if num == 13 and wt == 2:  # StringStringEntryProto
+                key = value = b""
+                for n2, w2, a2, b2 in _fields(buf, a, b):
+                    if w2 == 2 and n2 == 1:
+                        key = bytes(buf[a2:b2])
+                    elif w2 == 2 and n2 == 2:
+                        value = bytes(buf[a2:b2])
+                if key == b"location":
+                    out.append(value.decode("utf-8", "replace"))
+        return
+    for num, wt, a, b in _fields(buf, start, end):
+        child = children.get(num) if wt == 2 else None
+        if child is not None:
+            _external_locations(buf, a, b, child, out)
+
+
+def onnx_external_data_locations(path: Path) -> list[str]:
+    """Locations of every external-data tensor in an ONNX file; BundleError if it is truncated/corrupt."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        locations: list[str] = []
+        saw_graph = False
+        try:
+            for num, wt, a, b in _fields(buf, 0, size):
+                if wt == 2 and num == 7:
+                    saw_graph = True
+                    _external_locations(buf, a, b, "graph", locations)
+                elif wt == 2 and num == 25:
+                    _external_locations(buf, a, b, "function", locations)
+        except _Truncated:
+            raise BundleError(
+                f"{path} is truncated or corrupt (not a complete ONNX protobuf); copy it again or re-export the bundle"
+            ) from None
+        if not saw_graph:
+            raise BundleError(f"{path} holds no ONNX graph (corrupt or not an ONNX file); re-export the bundle")
+        return locations
+
+
+def check_onnx_file(path: Path) -> None:
+    """Structural check of one .onnx file and of the external data it references."""
+    folder = path.parent.resolve()
+    for loc in onnx_external_data_locations(path):
+        p = Path(loc)
+        if p.is_absolute() or loc.startswith(("/", "\\")) or ".." in p.parts or ".." in Path(loc.replace("\\", "/")).parts:
+            raise UnsafeFileError(
+                f"{path} references external data at {loc!r}, outside its model folder; "
+                "only files next to the .onnx are allowed: re-export the bundle (do not edit external-data paths)"
+            )
+        target = path.parent / p
+        if target.is_symlink():
+            raise UnsafeFileError(
+                f"{path}: external data {loc!r} is a symbolic link; replace it with the real file (cp -L) or re-export"
+            )
+        if not target.is_file():
+            raise BundleError(f"{path}: external data file {loc!r} is missing; copy the whole model folder or re-export")
+        if folder not in target.resolve().parents:
+            raise UnsafeFileError(f"{path}: external data {loc!r} resolves outside {folder}; re-export the bundle")
+        if target.stat().st_nlink > 1:
+            raise UnsafeFileError(
+                f"{path}: external data {loc!r} is a hard link (shared with a file elsewhere); "
+                "replace it with a plain copy or re-export"
+            )

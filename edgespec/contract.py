@@ -1,0 +1,79 @@
+"""The ONNX naming contract between the exporter (``edgespec.export``) and the runtimes.
+
+This is the only place that knows file names and graph input/output names. Both sides import
+it; neither spells a name by hand. The names follow optimum's exporter (the graphs are produced
+by it): decoder-only models take ``past_key_values.{i}.key`` and return ``present.{i}.key`` =
+concat(past, new) along the sequence axis, with KV tensors laid out [batch, kv_heads, seq, head].
+"""
+from __future__ import annotations
+
+MANIFEST_NAME = "edgespec.json"
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = (1,)
+
+ROLE_TARGET = "target"
+ROLE_DRAFT = "draft"
+
+KIND_DECODER = "decoder"  # decoder-only causal LM: one graph, past may be empty
+KIND_SEQ2SEQ = "seq2seq"  # encoder-decoder (T5): encoder, first decoder step, decoder with past
+
+# ---- files inside a model folder (bundle/target, bundle/draft) --------------------------------
+DECODER_FILE = "model.onnx"
+ENCODER_FILE = "encoder_model.onnx"
+SEQ2SEQ_DECODER_FILE = "decoder_model.onnx"  # no past: first decoder call, also emits cross-attention KV
+SEQ2SEQ_DECODER_WITH_PAST_FILE = "decoder_with_past_model.onnx"
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "config.json"
+
+# Per kind: role of each graph -> file name (the manifest records this mapping).
+GRAPH_FILES = {
+    KIND_DECODER: {"decoder": DECODER_FILE},
+    KIND_SEQ2SEQ: {
+        "encoder": ENCODER_FILE,
+        "decoder": SEQ2SEQ_DECODER_FILE,
+        "decoder_with_past": SEQ2SEQ_DECODER_WITH_PAST_FILE,
+    },
+}
+
+# ---- decoder-only graph -------------------------------------------------------------------------
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"  # [batch, past + new], all ones for one unpadded sequence
+POSITION_IDS = "position_ids"  # optional (GPT-2, Llama have it; some architectures derive it)
+LOGITS = "logits"  # [batch, new, vocab]
+
+
+def decoder_past_names(num_layers: int) -> tuple[str, ...]:
+    """past_key_values.{i}.key, past_key_values.{i}.value for every layer, in graph order."""
+    return tuple(f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value"))
+
+
+def decoder_present_names(num_layers: int) -> tuple[str, ...]:
+    """present.{i}.key, present.{i}.value: the outputs matching ``decoder_past_names`` one to one."""
+    return tuple(f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value"))
+
+
+# ---- encoder-decoder graphs (T5) ----------------------------------------------------------------
+ENCODER_INPUT_IDS = "input_ids"
+ENCODER_ATTENTION_MASK = "attention_mask"
+ENCODER_OUTPUT = "last_hidden_state"
+DECODER_ENCODER_ATTENTION_MASK = "encoder_attention_mask"
+DECODER_ENCODER_HIDDEN_STATES = "encoder_hidden_states"  # input of the first decoder call only
+DECODER_INPUT_IDS = "input_ids"
+
+
+def seq2seq_self_past_names(num_layers: int) -> tuple[str, ...]:
+    """Decoder self-attention past: past_key_values.{i}.decoder.{key,value}."""
+    return tuple(f"past_key_values.{i}.decoder.{kv}" for i in range(num_layers) for kv in ("key", "value"))
+
+
+def seq2seq_self_present_names(num_layers: int) -> tuple[str, ...]:
+    return tuple(f"present.{i}.decoder.{kv}" for i in range(num_layers) for kv in ("key", "value"))
+
+
+def seq2seq_cross_past_names(num_layers: int) -> tuple[str, ...]:
+    """Cross-attention KV (computed once from the encoder output): past_key_values.{i}.encoder.*."""
+    return tuple(f"past_key_values.{i}.encoder.{kv}" for i in range(num_layers) for kv in ("key", "value"))
+
+
+def seq2seq_cross_present_names(num_layers: int) -> tuple[str, ...]:
+    return tuple(f"present.{i}.encoder.{kv}" for i in range(num_layers) for kv in ("key", "value"))

@@ -1,0 +1,58 @@
+"""The one error family edgespec raises. Every message says how to fix the problem."""
+
+
+class EdgeSpecError(Exception):
+    """Base class of every error edgespec raises on purpose.
+
+    The CLI prints ``str(error)`` and exits with a non-zero code, no traceback.
+    """
+
+    exit_code = 2
+
+
+class InvalidArgumentError(EdgeSpecError, ValueError):
+    """A parameter (sampling setting, gamma, lenience, prompt, ...) is out of range."""
+
+
+class NonFiniteLogitsError(EdgeSpecError, FloatingPointError):
+    """A model produced NaN or +inf logits."""
+
+
+class PromptTooLongError(InvalidArgumentError):
+    """Prompt (plus max_new_tokens) does not fit the model's positions or KV buffers."""
+
+
+class BundleError(EdgeSpecError):
+    """A bundle or model folder is missing, corrupted, of an unknown version, or unsafe."""
+
+
+class UnsafeFileError(BundleError):
+    """A file would make us unpickle data or read outside the model folder."""
+
+
+class CheckpointError(EdgeSpecError):
+    """A source checkpoint folder cannot be used (missing files, pickle-only weights, ...)."""
+
+
+class UnsupportedArchitectureError(EdgeSpecError):
+    """The model architecture is not one edgespec can export or run."""
+
+
+class TokenizerMismatchError(EdgeSpecError):
+    """Draft and target do not share a tokenizer."""
+
+
+class ValidationError(EdgeSpecError):
+    """An exported model disagrees with its source model beyond tolerance."""
+
+
+class OutputExistsError(EdgeSpecError):
+    """The output folder exists (or lies inside an input folder)."""
+
+
+class ProviderError(EdgeSpecError):
+    """An execution provider or platform that was asked for is not available."""
+
+
+class TrainingError(EdgeSpecError):
+    """A corpus or model size cannot be used for training or distillation."""

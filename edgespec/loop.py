@@ -1,0 +1,281 @@
+"""The speculative decoding loop and the plain autoregressive loop, over the Backend protocol.
+
+Bookkeeping: ``generated`` holds the committed new tokens. The target's cache always holds the
+prompt and every committed token except the last one (the "pending" token): a round feeds the
+pending token plus the gamma drafts in ONE target call and gets p_1..p_{gamma+1} back.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Generator, Sequence
+
+import numpy as np
+
+from .backend import Backend
+from .config import GenerationConfig, SamplingConfig
+from .errors import InvalidArgumentError, PromptTooLongError
+from .rejection import TARGET, overlap, speculative_sample
+from .sampling import process_logits, sample_index
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings of one generate call (all times in seconds)."""
+
+    rounds: int = 0                  # speculative rounds (one target call each)
+    target_calls: int = 0            # all target forward calls, prefill included
+    draft_calls: int = 0             # draft forward calls, prefill excluded
+    drafted: int = 0                 # draft tokens proposed
+    accepted: int = 0                # draft tokens kept
+    emitted: int = 0                 # tokens committed (the output length)
+    round_tokens: int = 0            # tokens committed by speculative rounds
+    accepted_hist: list[int] = field(default_factory=list)  # [n] rounds that kept n drafts
+    gamma_hist: list[int] = field(default_factory=list)     # [g] rounds drafted with gamma g
+    beta_sum: float = 0.0            # sum of sum_x min(p, q) over examined draft positions
+    beta_count: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    sample_s: float = 0.0
+    total_s: float = 0.0
+    ttft_s: float = 0.0              # time to first token
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Kept drafts over examined drafts (each round examines up to the first rejection)."""
+        return self.accepted / self.beta_count if self.beta_count else float("nan")
+
+    @property
+    def draft_efficiency(self) -> float:
+        """Kept drafts over all drafts proposed (drafts after a rejection count as wasted)."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def alpha(self) -> float:
+        """alpha = E[beta], estimated over the processed distributions of examined positions."""
+        return self.beta_sum / self.beta_count if self.beta_count else float("nan")
+
+    @property
+    def tokens_per_round(self) -> float:
+        return self.round_tokens / self.rounds if self.rounds else float("nan")
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        return self.emitted / self.target_calls if self.target_calls else float("nan")
+
+    @property
+    def c(self) -> float:
+        """Measured cost coefficient: time of one draft call / time of one target (round) call."""
+        steps = self.target_calls - 1  # prefill excluded from both
+        if not self.draft_calls or steps <= 0 or self.target_s <= 0:
+            return float("nan")
+        return (self.draft_s / self.draft_calls) / (self.target_s / steps)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.emitted / self.total_s if self.total_s > 0 else float("nan")
+
+    def record_round(self, gamma: int, n: int, emitted: int) -> None:
+        for hist, i in ((self.accepted_hist, n), (self.gamma_hist, gamma)):
+            if len(hist) <= i:
+                hist.extend([0] * (i + 1 - len(hist)))
+            hist[i] += 1
+        self.rounds += 1
+        self.drafted += gamma
+        self.accepted += n
+        self.round_tokens += emitted
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for name in ("acceptance_rate", "draft_efficiency", "alpha", "tokens_per_round", "tokens_per_target_call", "c", "tokens_per_second"):
+            d[name] = getattr(self, name)
+        return d
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]          # new tokens only
+    sources: list[str]         # per token: accepted / recovered / bonus / target
+    finish_reason: str         # eos / stop / length
+    stats: GenerationStats
+
+
+class ModelDrafter:
+    """Drafts with a second model (the paper's M_q) through the Backend protocol."""
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.vocab_size = backend.vocab_size
+        self._base = 0
+
+    def start(self, prompt: np.ndarray) -> None:
+        self.backend.prefill(prompt)
+        self._base = self.backend.length
+
+    def room(self, generated: int) -> int:
+        """How many drafts fit: the draft processes the unseen tokens and gamma - 1 drafts."""
+        return self.backend.max_length - self._base - generated + 1
+
+    def propose(self, generated: list[int], gamma: int, sampling: SamplingConfig,
+                rng: np.random.Generator, vocab: int, stats: GenerationStats) -> tuple[np.ndarray, np.ndarray]:
+        """Draw gamma tokens autoregressively from q. Returns ids [gamma] and q [gamma, vocab]."""
+        b = self.backend
+        feed = np.asarray(generated[b.length - self._base:], dtype=np.int64)  # [1 or 2] unseen tokens
+        ids = np.empty(gamma, dtype=np.int64)                                  # [gamma]
+        q = np.empty((gamma, vocab))                                           # [gamma, V]
+        for i in range(gamma):
+            logits = b.extend(feed)[-1:, :vocab]                               # [1, V]
+            q[i] = process_logits(logits, sampling, "draft model")[0]
+            ids[i] = sample_index(q[i], rng.random())
+            feed = ids[i:i + 1]
+        stats.draft_calls += gamma
+        return ids, q
+
+    def rollback(self, kept: int) -> None:
+        """Keep only the first ``kept`` generated tokens (the draft may hold fewer already)."""
+        self.backend.rewind_to(min(self.backend.length, self._base + kept))
+
+
+def _check_prompt(prompt_ids: Sequence[int], config: GenerationConfig, target: Backend) -> np.ndarray:
+    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)               # [P]
+    if prompt.size == 0:
+        raise InvalidArgumentError("the prompt is empty; pass at least one token (or non-empty text)")
+    if prompt.min() < 0 or prompt.max() >= target.vocab_size:
+        raise InvalidArgumentError(
+            f"prompt token ids must be in [0, {target.vocab_size}); got min {prompt.min()}, max {prompt.max()}")
+    # The last committed token is never fed to the target, hence the -1.
+    if prompt.size + config.max_new_tokens - 1 > target.max_length:
+        raise PromptTooLongError(
+            f"prompt ({prompt.size} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the model's "
+            f"{target.max_length} positions; shorten the prompt or lower max_new_tokens to at most "
+            f"{max(target.max_length - prompt.size + 1, 0)}")
+    return prompt
+
+
+def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
+                     config: GenerationConfig, rng: np.random.Generator, vocab: int,
+                     stats: GenerationStats) -> tuple[list[int], list[str]]:
+    """One round of Algorithm 1: draft gamma tokens, verify them in one target call, accept.
+
+    ``generated`` is the committed output so far (its last token is pending: not yet in the
+    target's cache). Returns the new tokens (1..gamma+1) and their sources.
+    """
+    sampling, t0 = config.sampling, time.perf_counter()
+    # 1. draft: x_1..x_gamma ~ q, autoregressively.
+    x, q = drafter.propose(generated, gamma, sampling, rng, vocab, stats)       # [g], [g, V]
+    t1 = time.perf_counter()
+    # 2. verify: one target call over [pending, x_1..x_gamma] gives p_1..p_{gamma+1}.
+    logits = target.extend(np.concatenate(([generated[-1]], x)))[:, :vocab]     # [g+1, V]
+    t2 = time.perf_counter()
+    p = process_logits(logits, sampling, "target model")                        # [g+1, V]
+    # 3. accept: leading drafts kept, then a recovered or bonus token.
+    verdict = speculative_sample(x, q, p, rng, config.lenience)
+    n = verdict.n_accepted
+    examined = min(n + 1, gamma)  # positions whose prefix the target agreed with
+    stats.beta_sum += float(overlap(p[:examined], q[:examined]).sum())
+    stats.beta_count += examined
+    # Roll back by moving positions: the target keeps pending + x_1..x_n, the new pending token
+    # is the verdict's; the draft keeps at most the same prefix.
+    before = len(generated)
+    target.rewind_to(target.length - gamma + n)
+    drafter.rollback(before + n)
+    stats.target_calls += 1
+    stats.draft_s += t1 - t0
+    stats.target_s += t2 - t1
+    stats.sample_s += time.perf_counter() - t2
+    tokens = [int(t) for t in x[:n]] + [verdict.token]
+    stats.record_round(gamma, n, len(tokens))
+    return tokens, ["accepted"] * n + [verdict.kind]
+
+
+def _plain_step(target: Backend, generated: list[int], config: GenerationConfig,
+                rng: np.random.Generator, vocab: int, stats: GenerationStats) -> int:
+    t0 = time.perf_counter()
+    logits = target.extend(np.asarray(generated[-1:], dtype=np.int64))[:, :vocab]  # [1, V]
+    t1 = time.perf_counter()
+    token = sample_index(process_logits(logits, config.sampling, "target model")[0], rng.random())
+    stats.target_calls += 1
+    stats.target_s += t1 - t0
+    stats.sample_s += time.perf_counter() - t1
+    return token
+
+
+def iter_generate(target: Backend, prompt_ids: Sequence[int], config: GenerationConfig,
+                  rng: np.random.Generator, draft=None) -> Generator[list[int], None, GenerationResult]:
+    """Generate, yielding each block of committed tokens as soon as it is committed.
+
+    ``draft`` is a Backend (a draft model), a drafter object (``start``/``propose``/``rollback``),
+    or None for plain autoregressive decoding. The generator's return value is the
+    GenerationResult. Randomness comes only from ``rng``: the same seed gives the same output.
+    """
+    if not isinstance(rng, np.random.Generator):
+        raise InvalidArgumentError("rng must be a numpy.random.Generator, e.g. np.random.default_rng(seed)")
+    prompt = _check_prompt(prompt_ids, config, target)
+    # A drafter has propose(); anything else is taken as a draft model's Backend.
+    drafter = draft if draft is None or hasattr(draft, "propose") else ModelDrafter(draft)
+    vocab = target.vocab_size if drafter is None or drafter.vocab_size is None \
+        else min(target.vocab_size, drafter.vocab_size)
+    stats = GenerationStats()
+    out: list[int] = []
+    sources: list[str] = []
+    start = time.perf_counter()
+
+    def commit(tokens: list[int], kinds: list[str]) -> tuple[list[int], str | None]:
+        """Append tokens, cutting at EOS, a stop id or max_new_tokens inside the block."""
+        block = []
+        for tok, kind in zip(tokens, kinds):
+            out.append(tok)
+            sources.append(kind)
+            block.append(tok)
+            if tok in config.eos_token_ids:
+                return block, "eos"
+            if tok in config.stop_token_ids:
+                return block, "stop"
+            if len(out) >= config.max_new_tokens:
+                return block, "length"
+        return block, None
+
+    # Prefill both models; the first token comes from the target's prefill logits (a plain step).
+    t0 = time.perf_counter()
+    logits = target.prefill(prompt)[None, :vocab]                                 # [1, V]
+    if drafter is not None:
+        drafter.start(prompt)
+    stats.prefill_s = time.perf_counter() - t0
+    stats.target_calls = 1
+    first = sample_index(process_logits(logits, config.sampling, "target model")[0], rng.random())
+    block, reason = commit([first], [TARGET])
+    stats.ttft_s = time.perf_counter() - start
+    yield block
+    policy = config.gamma if config.gamma is not None else None
+    while reason is None:
+        remaining = config.max_new_tokens - len(out)
+        gamma = 0
+        if drafter is not None:
+            gamma = policy if policy is not None else config.max_gamma
+            # Never draft past what can be emitted or what the caches can hold.
+            gamma = max(0, min(gamma, remaining - 1, target.max_length - target.length - 1,
+                               drafter.room(len(out))))
+        if gamma > 0:
+            tokens, kinds = speculative_step(target, drafter, out, gamma, config, rng, vocab, stats)
+        else:
+            tokens, kinds = [_plain_step(target, out, config, rng, vocab, stats)], [TARGET]
+        block, reason = commit(tokens, kinds)
+        yield block
+    stats.emitted = len(out)
+    stats.total_s = time.perf_counter() - start
+    return GenerationResult(out, sources, reason, stats)
+
+
+def generate(target: Backend, prompt_ids: Sequence[int], config: GenerationConfig,
+             rng: np.random.Generator, draft=None,
+             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """Run :func:`iter_generate` to the end; ``on_tokens`` receives each committed block."""
+    it = iter_generate(target, prompt_ids, config, rng, draft)
+    while True:
+        try:
+            block = next(it)
+        except StopIteration as stop:
+            return stop.value
+        if on_tokens is not None:
+            on_tokens(block)

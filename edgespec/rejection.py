@@ -1,0 +1,57 @@
+"""Speculative sampling (Algorithm 1, Appendix A.1), pure numpy with an explicit Generator.
+
+For drafted tokens x_1..x_g with processed draft distributions q_1..q_g and target
+distributions p_1..p_{g+1} (all from one target pass):
+  - keep x_i while r_i < p_i(x_i) / (l * q_i(x_i)), r_i ~ U[0, 1)   (accepted);
+  - at the first rejection, draw from norm(max(0, p_i - l * q_i))  (recovered);
+  - if every draft is kept, draw one more token from p_{g+1}        (bonus).
+With l = 1 the committed tokens are distributed exactly as the target's (A.1): token x is emitted
+with probability q(x) * min(1, p(x)/q(x)) + (1 - sum_y min(p(y), q(y))) * norm(max(0, p - q))(x)
+= min(p, q)(x) + max(0, p - q)(x) = p(x). With l < 1 (A.5) acceptance is more lenient and the
+output is no longer distributed as p.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling import sample_index
+
+ACCEPTED, RECOVERED, BONUS, TARGET = "accepted", "recovered", "bonus", "target"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    n_accepted: int   # leading drafts kept, 0..g
+    token: int        # the recovered token (n < g) or the bonus token (n == g)
+    kind: str         # RECOVERED or BONUS
+
+
+def speculative_sample(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
+                       rng: np.random.Generator, lenience: float = 1.0) -> Verdict:
+    """Run the acceptance test of one speculative round.
+
+    draft_ids: [g] int, q: [g, V] processed draft distributions, p: [g + 1, V] processed target
+    distributions; g may be 0 (then the round is a plain target step and the token is a bonus draw).
+    """
+    g = draft_ids.shape[0]
+    rows = np.arange(g)                                           # [g]
+    px = p[rows, draft_ids]                                       # [g] p_i(x_i)
+    qx = q[rows, draft_ids]                                       # [g] q_i(x_i)
+    r = rng.random(g)                                             # [g] r_i ~ U[0, 1)
+    # r < p / (l q) without dividing: q(x) > 0 since x was drawn from q; p(x) = 0 never keeps.
+    keep = r * (lenience * qx) < px                               # [g]
+    n = g if keep.all() else int(np.argmin(keep))
+    if n == g:
+        return Verdict(n, sample_index(p[g], rng.random()), BONUS)
+    residual = np.maximum(p[n] - lenience * q[n], 0.0)            # [V] max(0, p - l q)
+    if not residual.sum() > 0.0:
+        # Only reachable through rounding when p == q (a rejection then has probability 0).
+        residual = p[n]
+    return Verdict(n, sample_index(residual, rng.random()), RECOVERED)
+
+
+def overlap(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """beta = sum_x min(p(x), q(x)) = 1 - D_LK(p, q) per row (Definition 3.2). p, q: [k, V] -> [k]."""
+    return np.minimum(p, q).sum(axis=-1)

@@ -1,0 +1,265 @@
+"""The speculative loop, sampler and configuration: identity, edge cases and bad input."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from edgespec.config import GenerationConfig, SamplingConfig
+from edgespec.errors import EdgeSpecError, InvalidArgumentError, NonFiniteLogitsError, PromptTooLongError
+from edgespec.loop import generate, iter_generate
+from edgespec.rejection import speculative_sample
+from edgespec.sampling import process_logits, sample_index
+from edgespec.toy import ToyBackend, ToyLM, toy_pair
+
+GREEDY = SamplingConfig(0.0)
+
+
+def cfg(**kw):
+    kw.setdefault("max_gamma", 8)
+    return GenerationConfig(**kw)
+
+
+# --------------------------------------------------------------------------- greedy identity
+@pytest.mark.parametrize("gamma", [1, 2, 4, 7])
+@pytest.mark.parametrize("noise", [0.3, 1.5, 5.0])
+def test_greedy_speculative_equals_plain_greedy(gamma, noise):
+    target, draft = toy_pair(vocab_size=50, order=3, noise=noise, seed=gamma, max_length=512)
+    for prompt in ([0], [3, 7, 9], list(range(20))):
+        c = cfg(max_new_tokens=200, gamma=gamma, sampling=GREEDY)
+        plain = generate(target, prompt, c, np.random.default_rng(0))
+        spec = generate(target, prompt, c, np.random.default_rng(1), draft=draft)
+        assert spec.tokens == plain.tokens
+        assert spec.stats.target_calls < plain.stats.target_calls or noise > 1
+
+
+def test_seeded_determinism_and_seed_sensitivity():
+    target, draft = toy_pair(vocab_size=40, order=2, seed=1)
+    c = cfg(max_new_tokens=100, gamma=4)
+    a = generate(target, [1], c, np.random.default_rng(7), draft=draft).tokens
+    b = generate(target, [1], c, np.random.default_rng(7), draft=draft).tokens
+    d = generate(target, [1], c, np.random.default_rng(8), draft=draft).tokens
+    assert a == b and a != d
+
+
+def test_streaming_blocks_concatenate_to_result():
+    target, draft = toy_pair(vocab_size=40, order=2, seed=1)
+    c = cfg(max_new_tokens=60, gamma=3)
+    it = iter_generate(target, [1, 2], c, np.random.default_rng(0), draft)
+    blocks = []
+    while True:
+        try:
+            blocks.append(next(it))
+        except StopIteration as stop:
+            result = stop.value
+            break
+    assert [t for b in blocks for t in b] == result.tokens
+    assert all(1 <= len(b) <= 4 for b in blocks)
+    seen = []
+    again = generate(target, [1, 2], c, np.random.default_rng(0), draft, on_tokens=seen.append)
+    assert seen == blocks and again.tokens == result.tokens
+
+
+def test_statistics_are_consistent():
+    target, draft = toy_pair(vocab_size=40, order=2, seed=2)
+    gamma = 4
+    r = generate(target, [1], cfg(max_new_tokens=300, gamma=gamma), np.random.default_rng(0), draft)
+    s = r.stats
+    assert s.emitted == len(r.tokens) == len(r.sources) == 300
+    assert sum(s.accepted_hist) == s.rounds
+    assert sum(n * c for n, c in enumerate(s.accepted_hist)) == s.accepted
+    assert s.target_calls == 1 + s.rounds  # prefill + one call per round (no plain steps here?)
+    assert s.round_tokens == s.emitted - 1
+    assert s.accepted == r.sources.count("accepted")
+    assert 0 < s.alpha < 1 and 0 < s.acceptance_rate < 1
+    assert s.draft_calls == s.drafted
+    d = s.to_dict()
+    for key in ("alpha", "acceptance_rate", "tokens_per_target_call", "accepted_hist", "draft_s", "target_s", "sample_s"):
+        assert key in d
+    assert s.tokens_per_round == pytest.approx(s.round_tokens / s.rounds)
+
+
+# ------------------------------------------------------------------------------ edge cases
+def test_p_equals_q_accepts_everything_without_nan():
+    m = ToyLM(30, 2, seed=0)
+    t, d = ToyBackend(m), ToyBackend(ToyLM(30, 2, table=m.table.copy()))
+    r = generate(t, [0], cfg(max_new_tokens=101, gamma=5), np.random.default_rng(0), draft=d)
+    assert r.stats.accepted == r.stats.drafted and r.stats.alpha == pytest.approx(1.0)
+    assert "recovered" not in r.sources and r.sources.count("bonus") == r.stats.rounds
+
+
+def test_residual_when_draft_cannot_produce_target_token():
+    # q(x) = 0 for token 1 which p wants: token 1 can only come from the residual.
+    p = np.array([[0.5, 0.5], [0.5, 0.5]])
+    q = np.array([[1.0, 0.0]])
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(20000):
+        v = speculative_sample(np.array([0]), q, p, rng)
+        out.append(0 if v.n_accepted == 1 else v.token)
+        if v.n_accepted == 0:
+            assert v.token == 1 and v.kind == "recovered"
+    assert abs(np.mean(out) - 0.5) < 0.015
+
+
+def test_draft_token_with_zero_target_probability_is_never_kept():
+    p = np.array([[0.0, 1.0], [0.5, 0.5]])
+    q = np.array([[0.5, 0.5]])
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        v = speculative_sample(np.array([0]), q, p, rng)
+        assert v.n_accepted == 0 and v.token == 1
+
+
+def test_all_accepted_gives_bonus_and_first_rejected_gives_recovery():
+    onehot = np.eye(3)
+    v = speculative_sample(np.array([0, 1]), onehot[[0, 1]], onehot[[0, 1, 2]], np.random.default_rng(0))
+    assert (v.n_accepted, v.token, v.kind) == (2, 2, "bonus")
+    v = speculative_sample(np.array([0, 1]), onehot[[0, 1]], onehot[[2, 1, 2]], np.random.default_rng(0))
+    assert (v.n_accepted, v.token, v.kind) == (0, 2, "recovered")
+
+
+def test_gamma_zero_round_is_a_plain_draw():
+    v = speculative_sample(np.zeros(0, dtype=np.int64), np.zeros((0, 3)), np.eye(3)[[1]], np.random.default_rng(0))
+    assert (v.n_accepted, v.token, v.kind) == (0, 1, "bonus")
+
+
+def test_eos_inside_a_block_cuts_there():
+    target, draft = toy_pair(vocab_size=20, order=2, noise=0.0001, seed=0)
+    c = cfg(max_new_tokens=100, gamma=6, sampling=GREEDY)
+    ref = generate(target, [1], c, np.random.default_rng(0)).tokens
+    eos = ref[5]
+    first = ref.index(eos)
+    r = generate(target, [1], cfg(max_new_tokens=100, gamma=6, sampling=GREEDY, eos_token_ids=(eos,)),
+                 np.random.default_rng(0), draft)
+    assert r.tokens == ref[:first + 1] and r.finish_reason == "eos"
+    # the cut happened inside a round that had accepted more drafts than it emitted
+    r2 = generate(target, [1], cfg(max_new_tokens=100, gamma=6, sampling=GREEDY, stop_token_ids=(eos,)),
+                  np.random.default_rng(0), draft)
+    assert r2.tokens == ref[:first + 1] and r2.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 5, 9, 10, 11])
+def test_max_new_tokens_inside_a_block(max_new):
+    target, draft = toy_pair(vocab_size=20, order=2, noise=0.0001, seed=0)
+    r = generate(target, [1], cfg(max_new_tokens=max_new, gamma=4), np.random.default_rng(0), draft)
+    assert len(r.tokens) == max_new and r.finish_reason == "length"
+
+
+def test_cache_limit_reduces_gamma_instead_of_overflowing():
+    target, draft = toy_pair(vocab_size=20, order=2, seed=0, max_length=40)
+    r = generate(target, [1] * 10, cfg(max_new_tokens=31, gamma=8), np.random.default_rng(0), draft)
+    assert len(r.tokens) == 31
+    with pytest.raises(PromptTooLongError, match="max_new_tokens"):
+        generate(target, [1] * 10, cfg(max_new_tokens=32, gamma=8), np.random.default_rng(0), draft)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    V=st.integers(2, 12),
+    gamma=st.integers(1, 6),
+    temperature=st.sampled_from([0.0, 0.01, 0.5, 1.0, 3.0]),
+    top_k=st.integers(0, 5),
+    top_p=st.sampled_from([0.05, 0.5, 0.95, 1.0]),
+    scale=st.sampled_from([0.0, 1.0, 50.0, 1e4]),
+    seed=st.integers(0, 2**16),
+    max_new=st.integers(1, 30),
+)
+def test_fuzz_ids_in_vocab_and_length_bounds(V, gamma, temperature, top_k, top_p, scale, seed, max_new):
+    t = ToyLM(V, 2, seed=seed, scale=scale)
+    table = t.table.copy()
+    rng = np.random.default_rng(seed)
+    table[rng.random(table.shape) < 0.3] = -np.inf   # masked logits
+    table[:, rng.integers(V)] = table.max() if np.isfinite(table).any() else 0.0  # ties and a live column
+    tgt = ToyBackend(ToyLM(V, 2, table=table))
+    drf = ToyBackend(ToyLM(V, 2, table=np.where(np.isfinite(table), table[::-1] * 0.5, -np.inf)))
+    c = cfg(max_new_tokens=max_new, gamma=gamma, sampling=SamplingConfig(temperature, top_k, top_p))
+    for draft in (None, drf):
+        r = generate(tgt, [0], c, np.random.default_rng(seed), draft)
+        assert 1 <= len(r.tokens) <= max_new
+        assert all(0 <= x < V for x in r.tokens)
+
+
+# ----------------------------------------------------------------------------- sampling maths
+def test_process_logits_transforms():
+    logits = np.log(np.array([[0.1, 0.2, 0.3, 0.4]]))
+    assert process_logits(logits, SamplingConfig(1.0)) == pytest.approx(np.array([[0.1, 0.2, 0.3, 0.4]]))
+    assert process_logits(logits, SamplingConfig(0.0)).tolist() == [[0, 0, 0, 1]]
+    assert process_logits(logits, SamplingConfig(1.0, top_k=2)) == pytest.approx(np.array([[0, 0, 3 / 7, 4 / 7]]))
+    assert process_logits(logits, SamplingConfig(1.0, top_p=0.7)) == pytest.approx(np.array([[0, 0, 3 / 7, 4 / 7]]))
+    assert process_logits(logits, SamplingConfig(1.0, top_p=0.71)) == pytest.approx(np.array([[0, 2 / 9, 3 / 9, 4 / 9]]))
+    sharp = process_logits(logits, SamplingConfig(0.5))
+    assert sharp == pytest.approx(np.array([[1, 4, 9, 16]]) / 30)
+
+
+def test_non_finite_logits_fail_clearly():
+    for bad in (np.nan, np.inf):
+        with pytest.raises(NonFiniteLogitsError, match="NaN or \\+inf"):
+            process_logits(np.array([[0.0, bad]]), SamplingConfig(1.0))
+    with pytest.raises(NonFiniteLogitsError, match="-inf everywhere"):
+        process_logits(np.array([[-np.inf, -np.inf]]), SamplingConfig(1.0))
+    table = np.zeros((3, 3), dtype=np.float32)
+    table[1, 2] = np.nan
+    t = ToyBackend(ToyLM(3, 2, table=table))
+    with pytest.raises(NonFiniteLogitsError):
+        generate(t, [1], cfg(max_new_tokens=3), np.random.default_rng(0))
+
+
+def test_sample_index_never_returns_zero_probability_id():
+    p = np.array([0.0, 0.5, 0.0, 0.5, 0.0])
+    for u in (0.0, 0.4999999, 0.5, 0.999999999999):
+        assert p[sample_index(p, u)] > 0
+
+
+# -------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=math.nan), "temperature"),
+    (dict(temperature=math.inf), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=math.nan), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(top_k=2.5), "top_k"),
+])
+def test_bad_sampling_parameters(kwargs, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(gamma=0), "gamma"),
+    (dict(gamma=-2), "gamma"),
+    (dict(gamma=9, max_gamma=8), "max_gamma"),
+    (dict(lenience=0.0), "lenience"),
+    (dict(lenience=1.01), "lenience"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(eos_token_ids=(-1,)), "eos_token_ids"),
+])
+def test_bad_generation_parameters(kwargs, match):
+    with pytest.raises(InvalidArgumentError, match=match):
+        GenerationConfig(**kwargs)
+    assert issubclass(InvalidArgumentError, EdgeSpecError)
+
+
+def test_bad_prompts():
+    target, draft = toy_pair(vocab_size=10)
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        generate(target, [], cfg(), np.random.default_rng(0), draft)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        generate(target, [10], cfg(), np.random.default_rng(0), draft)
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        generate(target, [-1], cfg(), np.random.default_rng(0), draft)
+    with pytest.raises(InvalidArgumentError, match="Generator"):
+        generate(target, [1], cfg(), 0, draft)
+
+
+def test_lenience_raises_acceptance():
+    target, draft = toy_pair(vocab_size=30, order=2, noise=1.0, seed=3)
+    rates = []
+    for l in (1.0, 0.5, 0.1):
+        r = generate(target, [1], cfg(max_new_tokens=2000, gamma=4, lenience=l), np.random.default_rng(0), draft)
+        rates.append(r.stats.acceptance_rate)
+    assert rates[0] < rates[1] < rates[2]

@@ -1,0 +1,145 @@
+"""Speculative sampling is exact: committed tokens follow the processed target distribution at
+every output position, the bonus token included; mutants of the algorithm are caught."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgespec import loop as loop_mod
+from edgespec.config import GenerationConfig, SamplingConfig
+from edgespec.loop import ModelDrafter, generate
+from edgespec.rejection import BONUS, RECOVERED, Verdict
+from edgespec.sampling import process_logits, sample_index
+from edgespec.toy import ToyBackend, ToyLM
+
+from stats_helpers import ALPHA_LEVEL, chi2_pvalue, exact_sequences, min_power_against_tv
+
+V, ORDER = 4, 3            # context-dependent target: logits depend on the last two tokens
+PROMPT = [1, 2]
+N_SAMPLES = 80_000         # >= 0.89 power per position against a TV error of 0.01 (checked below)
+
+
+def make_pair(noise: float = 1.0):
+    target = ToyLM(V, ORDER, seed=3, scale=1.5)
+    draft = target.perturbed(noise, seed=4)
+    return target, draft
+
+
+def sample_outputs(gamma: int, sampling: SamplingConfig, n: int, draft_factory=ModelDrafter,
+                   seed: int = 0, lenience: float = 1.0, adaptive: bool = False):
+    """Outputs of length gamma + 2: token 1 comes from the prefill, tokens 2..gamma+2 from the
+    first round (token gamma+2 is the bonus when every draft is kept), later rounds fill the rest."""
+    target, draft = make_pair()
+    tb, db = ToyBackend(target, 64), ToyBackend(draft, 64)
+    cfg = GenerationConfig(max_new_tokens=gamma + 2, gamma=None if adaptive else gamma,
+                           max_gamma=max(gamma, 1), sampling=sampling, lenience=lenience)
+    rng = np.random.default_rng(seed)
+    outs = np.empty((n, gamma + 2), dtype=np.int64)
+    first_round = np.zeros(gamma + 1, dtype=np.int64)  # accepted-count histogram of round 1
+    kinds = set()
+    for i in range(n):
+        res = generate(tb, PROMPT, cfg, rng, draft=draft_factory(db))
+        outs[i] = res.tokens
+        kinds.update(res.sources)
+        n_acc = 0
+        while n_acc < len(res.sources) - 1 and res.sources[1 + n_acc] == "accepted":
+            n_acc += 1
+        first_round[min(n_acc, gamma)] += 1
+    return target, outs, first_round, kinds
+
+
+def assert_matches_target(target, outs, sampling, label):
+    L = outs.shape[1]
+    exact = exact_sequences(target, PROMPT, L, sampling)            # [V]*L
+    failures = []
+    for j in range(L):
+        marg = exact.sum(axis=tuple(a for a in range(L) if a != j))  # [V]
+        counts = np.bincount(outs[:, j], minlength=V)
+        p = chi2_pvalue(counts, marg)
+        if p < ALPHA_LEVEL:
+            failures.append(f"position {j + 1}: p={p:.2e} counts={counts.tolist()} expected={np.round(marg * len(outs)).tolist()}")
+    for j in range(L - 1):  # joint of consecutive positions catches wrong dependence
+        pair = exact.sum(axis=tuple(a for a in range(L) if a not in (j, j + 1)))  # [V, V]
+        counts = np.bincount(outs[:, j] * V + outs[:, j + 1], minlength=V * V)
+        p = chi2_pvalue(counts, pair)
+        if p < ALPHA_LEVEL:
+            failures.append(f"positions {j + 1},{j + 2} jointly: p={p:.2e}")
+    assert not failures, f"{label}: output differs from the target distribution:\n" + "\n".join(failures)
+
+
+CONFIGS = [
+    pytest.param(1, SamplingConfig(1.0), id="gamma1-T1"),
+    pytest.param(3, SamplingConfig(1.0), id="gamma3-T1"),
+    pytest.param(5, SamplingConfig(1.0), id="gamma5-T1"),
+    pytest.param(3, SamplingConfig(0.6, top_k=3), id="gamma3-T0.6-topk3"),
+    pytest.param(3, SamplingConfig(1.4, top_p=0.8), id="gamma3-T1.4-topp0.8"),
+]
+
+
+def test_sample_size_catches_tv_0_01():
+    assert min_power_against_tv(N_SAMPLES, df=V - 1) >= 0.89
+
+
+@pytest.mark.parametrize("gamma,sampling", CONFIGS)
+def test_speculative_output_is_target_distribution(gamma, sampling):
+    target, outs, first_round, kinds = sample_outputs(gamma, sampling, N_SAMPLES)
+    # Every block position was exercised: rejections at each draft and full acceptance (bonus).
+    assert (first_round > 100).all(), first_round
+    assert {"accepted", "recovered", "bonus", "target"} <= kinds
+    assert_matches_target(target, outs, sampling, f"gamma={gamma} {sampling}")
+
+
+def test_adaptive_gamma_is_exact():
+    sampling = SamplingConfig(1.0)
+    target, outs, _, kinds = sample_outputs(4, sampling, N_SAMPLES, adaptive=True, seed=11)
+    assert {"accepted", "recovered", "bonus"} <= kinds
+    assert_matches_target(target, outs, sampling, "adaptive gamma")
+
+
+# ------------------------------------------------------------------------------------ mutants
+N_MUTANT = 20_000
+
+
+def _always_accept(draft_ids, q, p, rng, lenience=1.0):
+    g = len(draft_ids)
+    return Verdict(g, sample_index(p[g], rng.random()), BONUS)
+
+
+def _residual_from_p(draft_ids, q, p, rng, lenience=1.0):
+    g = len(draft_ids)
+    r = rng.random(g)
+    keep = r * q[np.arange(g), draft_ids] < p[np.arange(g), draft_ids]
+    n = g if keep.all() else int(np.argmin(keep))
+    if n == g:
+        return Verdict(n, sample_index(p[g], rng.random()), BONUS)
+    return Verdict(n, sample_index(p[n], rng.random()), RECOVERED)  # the bug: p, not max(0, p - q)
+
+
+class _ArgmaxDrafter(ModelDrafter):
+    """Mutant: the draft token is the argmax while q is reported as the softmax."""
+
+    def propose(self, generated, gamma, sampling, rng, vocab, stats):
+        b = self.backend
+        feed = np.asarray(generated[b.length - self._base:], dtype=np.int64)
+        ids, q = np.empty(gamma, dtype=np.int64), np.empty((gamma, vocab))
+        for i in range(gamma):
+            q[i] = process_logits(b.extend(feed)[-1:, :vocab], sampling)[0]
+            ids[i] = int(np.argmax(q[i]))
+            feed = ids[i:i + 1]
+        return ids, q
+
+
+@pytest.mark.parametrize("mutant", ["always-accept", "argmax-draft-softmax-q", "residual-from-p", "lenience-0.3"])
+def test_mutants_are_caught(mutant, monkeypatch):
+    sampling, kwargs = SamplingConfig(1.0), {}
+    if mutant == "always-accept":
+        monkeypatch.setattr(loop_mod, "speculative_sample", _always_accept)
+    elif mutant == "residual-from-p":
+        monkeypatch.setattr(loop_mod, "speculative_sample", _residual_from_p)
+    elif mutant == "argmax-draft-softmax-q":
+        kwargs["draft_factory"] = _ArgmaxDrafter
+    else:
+        kwargs["lenience"] = 0.3  # not a bug: lenience < 1 trades exactness away (A.5)
+    target, outs, _, _ = sample_outputs(3, sampling, N_MUTANT, seed=5, **kwargs)
+    with pytest.raises(AssertionError, match="differs from the target"):
+        assert_matches_target(target, outs, sampling, mutant)
