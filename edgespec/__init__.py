@@ -1,1 +1,26 @@
-"""edgespec: exact speculative decoding."""
+"""edgespec: exact speculative decoding (Leviathan, Kalman, Matias, ICML 2023) for ONNX Runtime
+and XLA. This module only re-exports the public API."""
+from .adaptive import AdaptiveGamma
+from .backend import Backend
+from .config import GenerationConfig, SamplingConfig
+from .drafters import ModelDrafter, NgramDrafter
+from .errors import EdgeSpecError
+from .loop import GenerationResult, GenerationStats, generate, iter_generate, speculative_step
+from .rejection import speculative_sample
+from . import theory
+
+__version__ = "0.1.0"
+
+
+def load(*args, **kwargs):
+    """Load an exported bundle: see :func:`edgespec.api.load`."""
+    from .api import load as _load  # imported lazily: keeps `import edgespec` light
+
+    return _load(*args, **kwargs)
+
+
+__all__ = [
+    "AdaptiveGamma", "Backend", "EdgeSpecError", "GenerationConfig", "GenerationResult",
+    "GenerationStats", "ModelDrafter", "NgramDrafter", "SamplingConfig", "generate",
+    "iter_generate", "load", "speculative_sample", "speculative_step", "theory",
+]

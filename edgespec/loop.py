@@ -15,6 +15,8 @@ import numpy as np
 from .backend import Backend
 from .config import GenerationConfig, SamplingConfig
 from .errors import InvalidArgumentError, PromptTooLongError
+from .adaptive import AdaptiveGamma
+from .drafters import ModelDrafter, NgramDrafter  # noqa: F401  (re-exported)
 from .rejection import TARGET, overlap, speculative_sample
 from .sampling import process_logits, sample_index
 
@@ -30,6 +32,7 @@ class GenerationStats:
     accepted: int = 0                # draft tokens kept
     emitted: int = 0                 # tokens committed (the output length)
     round_tokens: int = 0            # tokens committed by speculative rounds
+    plain_steps: int = 0             # target steps without drafts (nothing to draft, no room)
     accepted_hist: list[int] = field(default_factory=list)  # [n] rounds that kept n drafts
     gamma_hist: list[int] = field(default_factory=list)     # [g] rounds drafted with gamma g
     beta_sum: float = 0.0            # sum of sum_x min(p, q) over examined draft positions
@@ -67,7 +70,7 @@ class GenerationStats:
     @property
     def c(self) -> float:
         """Measured cost coefficient: time of one draft call / time of one target (round) call."""
-        steps = self.target_calls - 1  # prefill excluded from both
+        steps = self.target_calls - 1  # prefill excluded
         if not self.draft_calls or steps <= 0 or self.target_s <= 0:
             return float("nan")
         return (self.draft_s / self.draft_calls) / (self.target_s / steps)
@@ -101,42 +104,6 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class ModelDrafter:
-    """Drafts with a second model (the paper's M_q) through the Backend protocol."""
-
-    def __init__(self, backend: Backend):
-        self.backend = backend
-        self.vocab_size = backend.vocab_size
-        self._base = 0
-
-    def start(self, prompt: np.ndarray) -> None:
-        self.backend.prefill(prompt)
-        self._base = self.backend.length
-
-    def room(self, generated: int) -> int:
-        """How many drafts fit: the draft processes the unseen tokens and gamma - 1 drafts."""
-        return self.backend.max_length - self._base - generated + 1
-
-    def propose(self, generated: list[int], gamma: int, sampling: SamplingConfig,
-                rng: np.random.Generator, vocab: int, stats: GenerationStats) -> tuple[np.ndarray, np.ndarray]:
-        """Draw gamma tokens autoregressively from q. Returns ids [gamma] and q [gamma, vocab]."""
-        b = self.backend
-        feed = np.asarray(generated[b.length - self._base:], dtype=np.int64)  # [1 or 2] unseen tokens
-        ids = np.empty(gamma, dtype=np.int64)                                  # [gamma]
-        q = np.empty((gamma, vocab))                                           # [gamma, V]
-        for i in range(gamma):
-            logits = b.extend(feed)[-1:, :vocab]                               # [1, V]
-            q[i] = process_logits(logits, sampling, "draft model")[0]
-            ids[i] = sample_index(q[i], rng.random())
-            feed = ids[i:i + 1]
-        stats.draft_calls += gamma
-        return ids, q
-
-    def rollback(self, kept: int) -> None:
-        """Keep only the first ``kept`` generated tokens (the draft may hold fewer already)."""
-        self.backend.rewind_to(min(self.backend.length, self._base + kept))
-
-
 def _check_prompt(prompt_ids: Sequence[int], config: GenerationConfig, target: Backend) -> np.ndarray:
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)               # [P]
     if prompt.size == 0:
@@ -155,37 +122,46 @@ def _check_prompt(prompt_ids: Sequence[int], config: GenerationConfig, target: B
 
 def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
                      config: GenerationConfig, rng: np.random.Generator, vocab: int,
-                     stats: GenerationStats) -> tuple[list[int], list[str]]:
-    """One round of Algorithm 1: draft gamma tokens, verify them in one target call, accept.
+                     stats: GenerationStats, policy: AdaptiveGamma | None = None) -> tuple[list[int], list[str]]:
+    """One round of Algorithm 1: draft up to gamma tokens, verify them in one target call, accept.
 
     ``generated`` is the committed output so far (its last token is pending: not yet in the
     target's cache). Returns the new tokens (1..gamma+1) and their sources.
     """
     sampling, t0 = config.sampling, time.perf_counter()
-    # 1. draft: x_1..x_gamma ~ q, autoregressively.
-    x, q = drafter.propose(generated, gamma, sampling, rng, vocab, stats)       # [g], [g, V]
+    # 1. draft: x_1..x_g ~ q autoregressively (g <= gamma; the policy may stop early).
+    if policy is not None:
+        policy.start_round()
+    x, q, conf = drafter.propose(generated, gamma, sampling, rng, vocab,
+                                 policy.keep_going if policy is not None else None)  # [g], [g, V], [g]
+    g = x.shape[0]
     t1 = time.perf_counter()
-    # 2. verify: one target call over [pending, x_1..x_gamma] gives p_1..p_{gamma+1}.
+    # 2. verify: one target call over [pending, x_1..x_g] gives p_1..p_{g+1}.
     logits = target.extend(np.concatenate(([generated[-1]], x)))[:, :vocab]     # [g+1, V]
     t2 = time.perf_counter()
     p = process_logits(logits, sampling, "target model")                        # [g+1, V]
     # 3. accept: leading drafts kept, then a recovered or bonus token.
     verdict = speculative_sample(x, q, p, rng, config.lenience)
     n = verdict.n_accepted
-    examined = min(n + 1, gamma)  # positions whose prefix the target agreed with
+    examined = min(n + 1, g)  # positions whose prefix the target agreed with
     stats.beta_sum += float(overlap(p[:examined], q[:examined]).sum())
     stats.beta_count += examined
     # Roll back by moving positions: the target keeps pending + x_1..x_n, the new pending token
     # is the verdict's; the draft keeps at most the same prefix.
-    before = len(generated)
-    target.rewind_to(target.length - gamma + n)
-    drafter.rollback(before + n)
+    target.rewind_to(target.length - g + n)
+    drafter.rollback(len(generated) + n)
     stats.target_calls += 1
+    stats.draft_calls += g
     stats.draft_s += t1 - t0
     stats.target_s += t2 - t1
     stats.sample_s += time.perf_counter() - t2
+    if policy is not None:
+        policy.update(conf, n, t1 - t0, t2 - t1)
     tokens = [int(t) for t in x[:n]] + [verdict.token]
-    stats.record_round(gamma, n, len(tokens))
+    if g == 0:  # the drafter had nothing to propose: this was a plain target step
+        stats.plain_steps += 1
+        return tokens, [TARGET]
+    stats.record_round(g, n, len(tokens))
     return tokens, ["accepted"] * n + [verdict.kind]
 
 
@@ -196,6 +172,7 @@ def _plain_step(target: Backend, generated: list[int], config: GenerationConfig,
     t1 = time.perf_counter()
     token = sample_index(process_logits(logits, config.sampling, "target model")[0], rng.random())
     stats.target_calls += 1
+    stats.plain_steps += 1
     stats.target_s += t1 - t0
     stats.sample_s += time.perf_counter() - t1
     return token
@@ -247,17 +224,16 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     block, reason = commit([first], [TARGET])
     stats.ttft_s = time.perf_counter() - start
     yield block
-    policy = config.gamma if config.gamma is not None else None
+    policy = AdaptiveGamma(config.max_gamma) if config.gamma is None and drafter is not None else None
     while reason is None:
         remaining = config.max_new_tokens - len(out)
         gamma = 0
         if drafter is not None:
-            gamma = policy if policy is not None else config.max_gamma
             # Never draft past what can be emitted or what the caches can hold.
-            gamma = max(0, min(gamma, remaining - 1, target.max_length - target.length - 1,
-                               drafter.room(len(out))))
+            gamma = max(0, min(config.gamma or config.max_gamma, remaining - 1,
+                               target.max_length - target.length - 1, drafter.room(len(out))))
         if gamma > 0:
-            tokens, kinds = speculative_step(target, drafter, out, gamma, config, rng, vocab, stats)
+            tokens, kinds = speculative_step(target, drafter, out, gamma, config, rng, vocab, stats, policy)
         else:
             tokens, kinds = [_plain_step(target, out, config, rng, vocab, stats)], [TARGET]
         block, reason = commit(tokens, kinds)

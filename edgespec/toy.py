@@ -38,7 +38,8 @@ class ToyLM:
     def context_row(self, prefix) -> int:
         ctx = list(prefix)[-(self.order - 1):] if self.order > 1 else []
         ctx = [0] * (self.order - 1 - len(ctx)) + ctx
-        return int(np.dot(ctx, self._weights)) if ctx else 0
+        # the newest token is the lowest digit, as in ToyBackend.extend
+        return sum(tok * w for tok, w in zip(reversed(ctx), self._weights))
 
     def logits(self, prefix) -> np.ndarray:
         return self.table[self.context_row(prefix)]

@@ -263,3 +263,59 @@ def test_lenience_raises_acceptance():
         r = generate(target, [1], cfg(max_new_tokens=2000, gamma=4, lenience=l), np.random.default_rng(0), draft)
         rates.append(r.stats.acceptance_rate)
     assert rates[0] < rates[1] < rates[2]
+
+
+# ------------------------------------------------------------------- beyond the paper (issue 8)
+def test_ngram_lookup_reference():
+    from edgespec.drafters import lookup
+    assert lookup([1, 2, 3, 9, 1, 2], 3, 3, 1) == [3, 9, 1]
+    assert lookup([1, 2, 3, 4], 2, 3, 1) == []
+    assert lookup([5, 1, 7, 1], 2, 2, 1) == [7, 1]
+
+
+def test_ngram_drafter_matches_reference_lookup_and_speeds_up_repetitive_text():
+    from edgespec.drafters import NgramDrafter, lookup
+    rng = np.random.default_rng(0)
+    d = NgramDrafter(max_ngram=3)
+    prompt = [int(x) for x in rng.integers(0, 6, 40)]
+    d.start(np.asarray(prompt))
+    gen = []
+    for _ in range(60):
+        gen.append(int(rng.integers(0, 6)))
+        ids, q, _ = d.propose(gen, 4, SamplingConfig(1.0), rng, 6)
+        assert ids.tolist() == lookup(prompt + gen, 4, 3, 1)
+        assert (q.sum(axis=1) == 1).all()
+    # a target that repeats its prompt: greedy output identical, far fewer target calls
+    target, _ = toy_pair(vocab_size=20, order=3, seed=4, max_length=600)
+    c = cfg(max_new_tokens=200, gamma=6, sampling=GREEDY)
+    plain = generate(target, [1, 2, 3], c, np.random.default_rng(0))
+    base = generate(target, [1, 2, 3] + plain.tokens[:60], c, np.random.default_rng(0))
+    ng = generate(target, [1, 2, 3] + plain.tokens[:60], c, np.random.default_rng(0), draft=NgramDrafter())
+    assert ng.tokens == base.tokens
+    assert ng.stats.target_calls < base.stats.target_calls / 2
+
+
+def test_adaptive_gamma_greedy_identity_and_choice():
+    target, draft = toy_pair(vocab_size=50, order=2, noise=0.3, seed=5, max_length=2000)
+    c = cfg(max_new_tokens=500, gamma=None, sampling=GREEDY)
+    plain = generate(target, [1], c, np.random.default_rng(0))
+    ada = generate(target, [1], c, np.random.default_rng(0), draft=draft)
+    assert ada.tokens == plain.tokens
+    assert len([g for g, n in enumerate(ada.stats.gamma_hist) if n]) >= 1
+
+
+def test_adaptive_policy_prefers_long_drafts_when_cheap_and_accurate():
+    from edgespec.adaptive import AdaptiveGamma
+    conf = np.full(8, 0.95)
+    good = AdaptiveGamma(8)
+    for _ in range(50):
+        good.update(conf, 8, draft_s=8 * 0.001, target_s=0.05)   # all kept, c = 0.02
+    good.start_round()
+    steps = 1
+    while steps < 8 and good.keep_going(steps, 0.95):
+        steps += 1
+    bad = AdaptiveGamma(8)
+    for _ in range(50):
+        bad.update(np.full(2, 0.3), 0, draft_s=2 * 0.02, target_s=0.05)  # none kept, c = 0.4
+    bad.start_round()
+    assert steps == 8 and not bad.keep_going(1, 0.3)

@@ -7,7 +7,8 @@ import pytest
 
 from edgespec import loop as loop_mod
 from edgespec.config import GenerationConfig, SamplingConfig
-from edgespec.loop import ModelDrafter, generate
+from edgespec.drafters import ModelDrafter, NgramDrafter
+from edgespec.loop import generate
 from edgespec.rejection import BONUS, RECOVERED, Verdict
 from edgespec.sampling import process_logits, sample_index
 from edgespec.toy import ToyBackend, ToyLM
@@ -19,7 +20,7 @@ PROMPT = [1, 2]
 N_SAMPLES = 80_000         # >= 0.89 power per position against a TV error of 0.01 (checked below)
 
 
-def make_pair(noise: float = 1.0):
+def make_pair(noise: float = 2.0):
     target = ToyLM(V, ORDER, seed=3, scale=1.5)
     draft = target.perturbed(noise, seed=4)
     return target, draft
@@ -89,6 +90,15 @@ def test_speculative_output_is_target_distribution(gamma, sampling):
     assert_matches_target(target, outs, sampling, f"gamma={gamma} {sampling}")
 
 
+def test_ngram_drafter_is_exact():
+    # prompt lookup: q is one-hot on earlier text's continuation
+    sampling = SamplingConfig(1.0)
+    target, outs, _, kinds = sample_outputs(3, sampling, N_SAMPLES, seed=12,
+                                            draft_factory=lambda _db: NgramDrafter(max_ngram=2))
+    assert {"accepted", "recovered"} <= kinds
+    assert_matches_target(target, outs, sampling, "n-gram drafter")
+
+
 def test_adaptive_gamma_is_exact():
     sampling = SamplingConfig(1.0)
     target, outs, _, kinds = sample_outputs(4, sampling, N_SAMPLES, adaptive=True, seed=11)
@@ -118,7 +128,7 @@ def _residual_from_p(draft_ids, q, p, rng, lenience=1.0):
 class _ArgmaxDrafter(ModelDrafter):
     """Mutant: the draft token is the argmax while q is reported as the softmax."""
 
-    def propose(self, generated, gamma, sampling, rng, vocab, stats):
+    def propose(self, generated, gamma, sampling, rng, vocab, keep_going=None):
         b = self.backend
         feed = np.asarray(generated[b.length - self._base:], dtype=np.int64)
         ids, q = np.empty(gamma, dtype=np.int64), np.empty((gamma, vocab))
@@ -126,7 +136,7 @@ class _ArgmaxDrafter(ModelDrafter):
             q[i] = process_logits(b.extend(feed)[-1:, :vocab], sampling)[0]
             ids[i] = int(np.argmax(q[i]))
             feed = ids[i:i + 1]
-        return ids, q
+        return ids, q, q[np.arange(gamma), ids]
 
 
 @pytest.mark.parametrize("mutant", ["always-accept", "argmax-draft-softmax-q", "residual-from-p", "lenience-0.3"])

@@ -1,0 +1,440 @@
+"""``edgespec distill``: train a small Llama draft to match a target's distributions.
+
+Speculative decoding accepts a drafted token with probability ``beta = sum_x min(p(x), q(x))``
+(Leviathan et al. 2023, section 3.3), and ``1 - beta`` is exactly the total variation distance
+between the target's p and the draft's q. The ``tv`` loss minimises that directly; ``kl`` is the
+forward KL(p || q), smoother from a random start; ``mix`` (default) adds both. The targets are the
+target model's full distributions on corpus windows and, optionally (``--generated``), on
+continuations the target samples itself.
+
+``measure_alpha`` is the reusable metric: the mean of beta over held-out positions of the
+processed distributions (temperature 0: one-hot argmax; otherwise softmax(logits / T)).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from .errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError
+
+MODES = ("mix", "kl", "tv")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
+
+
+# ----------------------------------------------------------------------------- alpha
+
+def _processed_probs(logits, temperature: float):
+    import torch
+
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def beta_per_position(p_logits, q_logits, temperature: float):
+    """``sum_x min(p(x), q(x))`` at every position (the acceptance probability of a drafted token)."""
+    import torch
+
+    return torch.minimum(_processed_probs(p_logits, temperature), _processed_probs(q_logits, temperature)).sum(-1)
+
+
+def measure_alpha(target_model, draft_model, token_ids, temperature: float, *, batch_size: int = 8) -> float:
+    """Mean acceptance rate alpha of ``draft_model`` for ``target_model`` on ``token_ids``.
+
+    ``token_ids``: a LongTensor ``[n, length]`` (or ``[length]``), or a list of token-id lists; every
+    position of every row counts. Temperature 0 compares argmaxes (beta is 1 or 0); a temperature
+    ``T > 0`` compares ``softmax(logits / T)``. Both models run in eval mode without gradients.
+    """
+    import torch
+
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise InvalidArgumentError(f"temperature must be a finite number >= 0; got {temperature!r}")
+    if isinstance(token_ids, torch.Tensor):
+        rows = [token_ids.long()] if token_ids.ndim == 1 else list(token_ids.long())
+        groups = [torch.stack(rows)] if rows and token_ids.ndim == 2 else [r[None] for r in rows]
+    else:
+        groups = [torch.as_tensor(list(r), dtype=torch.long)[None] for r in token_ids]
+    groups = [g for g in groups if g.numel()]
+    if not groups:
+        raise InvalidArgumentError("measure_alpha needs at least one token")
+    tv, dv = _vocab(target_model), _vocab(draft_model)
+    if tv != dv:
+        raise InvalidArgumentError(f"target vocabulary {tv} != draft vocabulary {dv}; the models must share a tokenizer")
+    was = (target_model.training, draft_model.training)
+    target_model.eval()
+    draft_model.eval()
+    total, count = 0.0, 0
+    try:
+        with torch.no_grad():
+            for g in groups:
+                for i in range(0, len(g), batch_size):
+                    x = g[i:i + batch_size]
+                    b = beta_per_position(target_model(input_ids=x).logits, draft_model(input_ids=x).logits, temperature)
+                    total += float(b.double().sum())
+                    count += b.numel()
+    finally:
+        target_model.train(was[0])
+        draft_model.train(was[1])
+    return total / count
+
+
+def _vocab(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0]) if model.get_output_embeddings() is not None \
+        else int(model.config.vocab_size)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def check_hf_folder(folder: Path, role: str = "target") -> None:
+    """Typed errors for a folder that cannot be loaded safely as an HF checkpoint."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{role} folder {folder} does not exist; pass a Hugging Face checkpoint folder")
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(f"{role} folder {folder} has no config.json; pass a Hugging Face checkpoint folder")
+    has_st = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    if not has_st:
+        pickled = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        if pickled:
+            raise CheckpointError(
+                f"{role} folder {folder} has only pickle weights ({', '.join(sorted(pickled))}); edgespec never unpickles. "
+                "Convert it once, in an environment you trust: "
+                "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True)"
+            )
+        raise CheckpointError(f"{role} folder {folder} has no model.safetensors; save the model with safe_serialization=True")
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise CheckpointError(
+            f"{role} folder {folder} has no tokenizer (tokenizer.json); the draft must share the target's tokenizer. "
+            "Save it next to the model: tokenizer.save_pretrained(DIR)"
+        )
+
+
+def load_target(folder: Path):
+    """``(model, tokenizer)`` of a target folder: safetensors only, no remote code."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_hf_folder(folder, "target")
+    try:
+        tok = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load the tokenizer of {folder}: {exc}; save a tokenizer.json with the target") from exc
+    if not getattr(tok, "is_fast", False):
+        raise CheckpointError(f"the tokenizer of {folder} is not a fast (tokenizer.json) tokenizer; save one with the target")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, torch_dtype=torch.float32)
+    except Exception as exc:
+        raise CheckpointError(f"cannot load the target model in {folder}: {exc}") from exc
+    model.eval()
+    return model, tok
+
+
+# ----------------------------------------------------------------------------- sizes
+
+@dataclass(frozen=True)
+class DraftSize:
+    layers: int
+    hidden: int
+    heads: int
+    intermediate: int
+
+
+SIZES = {
+    "tiny": DraftSize(layers=1, hidden=64, heads=2, intermediate=172),
+    "small": DraftSize(layers=1, hidden=96, heads=2, intermediate=256),
+    "medium": DraftSize(layers=2, hidden=128, heads=2, intermediate=344),
+    "large": DraftSize(layers=2, hidden=192, heads=3, intermediate=512),
+}
+
+
+def resolve_size(size: str | None, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
+                 intermediate: int | None = None):
+    """A :class:`edgespec.pair.ModelSize` from a named size, with any explicit field overriding it."""
+    from .pair import ModelSize
+
+    if size is not None and size not in SIZES:
+        raise InvalidArgumentError(f"unknown draft size {size!r}; choose one of {', '.join(SIZES)} or give --layers/--hidden")
+    base = SIZES[size or "small"]
+    hidden = base.hidden if hidden is None else hidden
+    if heads is None:
+        heads = base.heads if hidden == base.hidden else max(1, hidden // 64)
+        while hidden % heads or (hidden // heads) % 2:
+            heads = heads - 1 if heads > 1 else 1
+            if heads == 1:
+                break
+    if intermediate is None:
+        intermediate = base.intermediate if hidden == base.hidden else int(round(hidden * 8 / 3 / 4)) * 4 or 4
+    s = ModelSize(hidden=hidden, layers=base.layers if layers is None else layers, heads=heads, intermediate=intermediate)
+    s.validate("draft")
+    return s
+
+
+# ----------------------------------------------------------------------------- training
+
+def _losses(t_logits, d_logits, mode: str):
+    import torch
+
+    t_logp = torch.log_softmax(t_logits.float(), -1)
+    d_logp = torch.log_softmax(d_logits.float(), -1)
+    p = t_logp.exp()
+    kl = (p * (t_logp - d_logp)).sum(-1).mean()
+    tv = 0.5 * (p - d_logp.exp()).abs().sum(-1).mean()
+    if mode == "kl":
+        return kl, kl, tv
+    if mode == "tv":
+        return tv, kl, tv
+    return kl + tv, kl, tv
+
+
+def _generate_windows(target, prefixes, context: int, seed: int, step: int):
+    """Continue each prefix with tokens the target samples at temperature 1, up to ``context + 1`` tokens."""
+    import torch
+
+    torch.manual_seed(seed * 1_000_003 + 17 + step)
+    new = context + 1 - prefixes.shape[1]
+    out = target.generate(input_ids=prefixes, attention_mask=torch.ones_like(prefixes), do_sample=True,
+                          temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
+                          pad_token_id=0, eos_token_id=None)
+    return out[:, :context + 1]
+
+
+def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps: int, batch_size: int, lr: float,
+                mode: str | None, seed: int, special_ids: dict, generated: float = 0.0, init=None,
+                progress: bool = True, desc: str = "distill"):
+    """Train a Llama draft. ``mode=None`` is the corpus-only baseline (cross-entropy on the same
+    windows); otherwise the draft matches the target's distributions with the given loss."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm.auto import tqdm
+    from transformers import LlamaForCausalLM
+
+    from .pair import _batch, _lr_at
+
+    torch.manual_seed(seed * 100 + 3)
+    if init is not None:
+        draft = init
+    else:
+        draft = LlamaForCausalLM(size.llama_config(vocab_size, context, **special_ids))
+    decay = [p for p in draft.parameters() if p.ndim >= 2]
+    no_decay = [p for p in draft.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), foreach=False)
+    warmup = max(1, steps // 20)
+    n_gen = int(round(batch_size * generated)) if mode is not None else 0
+    draft.train()
+    target.eval()
+    history = []
+    with tqdm(total=steps, desc=desc, unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        for step in range(steps):
+            for g in opt.param_groups:
+                g["lr"] = _lr_at(step, steps, lr, warmup)
+            x = _batch(train_ids, step, seed, 3, batch_size, context)
+            if n_gen:
+                with torch.no_grad():
+                    x = torch.cat([x[:batch_size - n_gen],
+                                   _generate_windows(target, x[batch_size - n_gen:, : context // 2], context, seed, step)])
+            inp = x[:, :-1]
+            d_logits = draft(input_ids=inp).logits
+            if mode is None:
+                loss = F.cross_entropy(d_logits.reshape(-1, d_logits.shape[-1]), x[:, 1:].reshape(-1))
+                post = {"ce": float(loss.detach())}
+            else:
+                with torch.no_grad():
+                    t_logits = target(input_ids=inp).logits
+                loss, kl, tv = _losses(t_logits, d_logits, mode)
+                post = {"kl": float(kl.detach()), "tv": float(tv.detach())}
+            if not torch.isfinite(loss):
+                raise TrainingError(f"draft training diverged at step {step}; lower --lr")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0, foreach=False)
+            opt.step()
+            bar.set_postfix({k: f"{v:.3f}" for k, v in post.items()})
+            bar.update(1)
+            history.append(post)
+    draft.eval()
+    return draft
+
+
+def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | None = "small", layers: int | None = None,
+            hidden: int | None = None, heads: int | None = None, intermediate: int | None = None,
+            corpus: Sequence[os.PathLike | str] | None = None, steps: int = 300, batch_size: int = 16,
+            context: int | None = None, lr: float = 3e-3, mode: str = "mix", generated: float = 0.0,
+            init: os.PathLike | str | None = None, baseline: bool = False, eval_windows: int = 64, seed: int = 0,
+            overwrite: bool = False, progress: bool = True) -> dict:
+    """Distil a draft from ``target`` into ``out`` (an HF checkpoint with the target's tokenizer) and
+    return the report (also written to ``out/distill.json``). ``baseline=True`` also trains a draft of
+    the same size on the corpus alone, with the same steps and windows, and reports its alpha."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from .corpus import encode_docs, load_documents
+    from .pair import _check_int, _write_json_atomic, heldout_windows, validation_loss
+
+    t0 = time.perf_counter()
+    target_dir, out_dir = Path(target).expanduser(), Path(out).expanduser()
+    if mode not in MODES:
+        raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    for name, v in (("steps", steps), ("batch_size", batch_size), ("eval_windows", eval_windows)):
+        _check_int(name, v)
+    _check_int("seed", seed, 0)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise InvalidArgumentError(f"lr must be a finite positive number; got {lr!r}")
+    if isinstance(generated, bool) or not isinstance(generated, (int, float)) or not 0 <= generated <= 1:
+        raise InvalidArgumentError(f"generated must be a fraction in [0, 1]; got {generated!r}")
+    if out_dir.exists() and not overwrite:
+        raise OutputExistsError(f"output folder {out_dir} exists; choose another --out or pass --overwrite")
+    try:
+        if out_dir.resolve().is_relative_to(target_dir.resolve()):
+            raise OutputExistsError(f"output folder {out_dir} lies inside the target folder {target_dir}; write elsewhere")
+    except OSError:
+        pass
+    draft_size = resolve_size(size, layers, hidden, heads, intermediate)
+    tmodel, tok = load_target(target_dir)
+    vocab = int(tmodel.config.vocab_size)
+    if len(tok) > vocab:
+        raise CheckpointError(f"the target's tokenizer has {len(tok)} tokens but its model only {vocab} logits; "
+                              "the target folder is inconsistent")
+    max_pos = getattr(tmodel.config, "max_position_embeddings", None) or 256
+    ctx = min(256, max_pos) if context is None else context
+    _check_int("context", ctx, 2)
+    if ctx > max_pos:
+        raise InvalidArgumentError(f"context {ctx} exceeds the target's {max_pos} positions; lower --context")
+    init_model = None
+    if init is not None:
+        check_hf_folder(Path(init), "init draft")
+        init_model = LlamaForCausalLM.from_pretrained(Path(init), use_safetensors=True, torch_dtype=torch.float32)
+        if _vocab(init_model) != vocab:
+            raise InvalidArgumentError(f"the --init draft has {_vocab(init_model)} logits but the target {vocab}; "
+                                       "they must share a tokenizer")
+
+    c = load_documents(corpus)
+    special = {k: getattr(tok, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    special = {k: (int(v) if v is not None else None) for k, v in special.items()}
+    if special["pad_token_id"] is None:
+        special["pad_token_id"] = special["eos_token_id"] if special["eos_token_id"] is not None else 0
+    backend = tok.backend_tokenizer
+    train_ids = torch.from_numpy(encode_docs(backend, c.train_docs, bos_id=special["bos_token_id"],
+                                             eos_id=special["eos_token_id"], progress=progress, desc="tokenize train"))
+    held_ids = torch.from_numpy(encode_docs(backend, c.heldout_docs, bos_id=special["bos_token_id"],
+                                            eos_id=special["eos_token_id"], progress=progress, desc="tokenize held-out"))
+    if len(train_ids) < 4 * (ctx + 1):
+        raise TrainingError(f"the corpus has {len(train_ids)} training tokens, too few for context {ctx} "
+                            f"(needs {4 * (ctx + 1)}); pass more text with --corpus or lower --context")
+    if len(held_ids) < ctx:
+        raise TrainingError(f"the held-out part of the corpus has {len(held_ids)} tokens, less than one context of {ctx}; "
+                            "pass more (or larger) files with --corpus or lower --context")
+    windows = heldout_windows(held_ids, ctx, eval_windows)
+
+    def alphas(m):
+        return {f"T{t:g}": round(measure_alpha(tmodel, m, windows, t), 4) for t in (0.0, 1.0)}
+
+    report: dict = {"target": str(target_dir), "mode": mode, "steps": steps, "batch_size": batch_size, "context": ctx,
+                    "lr": lr, "generated_fraction": generated, "seed": seed,
+                    "tokens_per_run": steps * batch_size * ctx, "corpus": c.description,
+                    "draft_config": {"hidden": draft_size.hidden, "layers": draft_size.layers, "heads": draft_size.heads,
+                                     "intermediate": draft_size.intermediate}}
+    report["target_val_loss"] = round(validation_loss(tmodel, windows), 4)
+    common = dict(vocab_size=vocab, context=ctx, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                  special_ids=special, progress=progress)
+    if init_model is None:
+        torch.manual_seed(seed * 100 + 3)
+        before = LlamaForCausalLM(draft_size.llama_config(vocab, ctx, **special))
+    else:
+        before = init_model
+    report["alpha_before"] = alphas(before)
+    import copy
+
+    start = copy.deepcopy(before)
+    draft = train_draft(tmodel, train_ids, draft_size, mode=mode, generated=generated, init=start, desc="distill", **common)
+    report["draft_params"] = sum(p.numel() for p in draft.parameters())
+    report["alpha_after"] = alphas(draft)
+    report["draft_val_loss"] = round(validation_loss(draft, windows), 4)
+    if baseline:
+        base = train_draft(tmodel, train_ids, draft_size, mode=None, init=copy.deepcopy(before),
+                           desc="baseline (corpus only)", **common)
+        report["baseline"] = {"alpha": alphas(base), "val_loss": round(validation_loss(base, windows), 4)}
+        report["alpha_gain_over_baseline"] = {k: round(report["alpha_after"][k] - report["baseline"]["alpha"][k], 4)
+                                              for k in report["alpha_after"]}
+    report["seconds"] = round(time.perf_counter() - t0, 2)
+
+    draft.generation_config.pad_token_id = special["pad_token_id"]
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        draft.save_pretrained(tmp, safe_serialization=True)
+        for name in _TOKENIZER_FILES:
+            if (target_dir / name).is_file():
+                shutil.copyfile(target_dir / name, tmp / name)
+        _write_json_atomic(report, tmp / "distill.json")
+        if out_dir.exists():
+            trash = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, trash)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", type=Path, required=True, help="Hugging Face target folder (safetensors + tokenizer.json)")
+    parser.add_argument("--out", type=Path, required=True, help="output folder for the draft checkpoint")
+    parser.add_argument("--size", choices=sorted(SIZES), default=None,
+                        help="draft size (default small); --layers/--hidden/--heads/--intermediate override it")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=None)
+    parser.add_argument("--intermediate", type=int, default=None)
+    parser.add_argument("--corpus", nargs="+", metavar="FILE", type=Path, default=None,
+                        help="text files or folders (default: this Python's standard library sources)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--context", type=int, default=None, help="window length (default: min(256, target positions))")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--mode", choices=MODES, default="mix",
+                        help="loss: tv = total variation (1 - beta), kl = forward KL(p||q), mix = both (default)")
+    parser.add_argument("--generated", type=float, default=0.0,
+                        help="fraction of each batch continued by the target's own samples (default 0)")
+    parser.add_argument("--init", type=Path, default=None, help="start from this draft checkpoint instead of random weights")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also train a same-size draft on the corpus alone (same budget) and compare")
+    parser.add_argument("--eval-windows", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    r = distill(args.target, args.out, size=args.size, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                intermediate=args.intermediate, corpus=args.corpus, steps=args.steps, batch_size=args.batch_size,
+                context=args.context, lr=args.lr, mode=args.mode, generated=args.generated, init=args.init,
+                baseline=args.baseline, eval_windows=args.eval_windows, seed=args.seed, overwrite=args.overwrite,
+                progress=not args.no_progress)
+    print(f"draft: {args.out} ({r['draft_params'] / 1e6:.2f}M params, {r['steps']} steps, mode {r['mode']})")
+    for label, a in (("before", r["alpha_before"]), ("after", r["alpha_after"])):
+        print(f"  alpha {label:>8}: T=0 {a['T0']:.3f}  T=1 {a['T1']:.3f}")
+    if "baseline" in r:
+        b = r["baseline"]["alpha"]
+        print(f"  alpha baseline (corpus only, same budget): T=0 {b['T0']:.3f}  T=1 {b['T1']:.3f}")
+        g = r["alpha_gain_over_baseline"]
+        print(f"  distilled - baseline: T=0 {g['T0']:+.3f}  T=1 {g['T1']:+.3f}")
+    return 0

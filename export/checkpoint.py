@@ -1,0 +1,72 @@
+"""Checks on a source checkpoint folder, done before anything is loaded or written."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgespec import contract
+from edgespec.errors import CheckpointError, UnsafeFileError, UnsupportedArchitectureError
+
+# model_type -> kind. The first three are exported and validated in the test suite; the others
+# were exported and validated from tiny configs by hand (see README).
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "gpt2": contract.KIND_DECODER,
+    "llama": contract.KIND_DECODER,
+    "t5": contract.KIND_SEQ2SEQ,
+}
+
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.ckpt", "tf_model.h5", "flax_model.msgpack")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    config: dict
+    model_type: str
+    kind: str
+
+    @property
+    def architecture(self) -> str:
+        archs = self.config.get("architectures") or []
+        return archs[0] if archs else self.model_type
+
+
+def inspect_checkpoint(path: str | Path, role: str) -> Checkpoint:
+    folder = Path(path)
+    if not folder.exists():
+        raise CheckpointError(f"{role} checkpoint folder {str(folder)!r} does not exist; pass a local Hugging Face model folder")
+    if not folder.is_dir():
+        raise CheckpointError(f"{role} checkpoint {str(folder)!r} is not a folder; pass the folder holding config.json")
+    cfg_path = folder / contract.CONFIG_FILE
+    if not cfg_path.is_file():
+        raise CheckpointError(
+            f"{role} checkpoint {str(folder)!r} has no config.json; copy the model's config.json into it "
+            "(a complete Hugging Face checkpoint folder has config.json, *.safetensors and tokenizer.json)"
+        )
+    try:
+        config = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{cfg_path} is not valid JSON ({exc}); restore the model's config.json") from exc
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"{role} checkpoint {str(folder)!r} has model_type {model_type!r}; edgespec export supports "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}: pick a checkpoint of one of these architectures"
+        )
+    if not (folder / contract.TOKENIZER_FILE).is_file():
+        raise CheckpointError(
+            f"{role} checkpoint {str(folder)!r} has no tokenizer.json (the runtime reads it with the `tokenizers` "
+            "library); save a fast tokenizer into the folder: AutoTokenizer.from_pretrained(...).save_pretrained(folder)"
+        )
+    safetensors = sorted(folder.glob("*.safetensors"))
+    if not safetensors:
+        pickled = [n for n in PICKLE_WEIGHTS if (folder / n).exists()] + [p.name for p in folder.glob("pytorch_model-*.bin")]
+        if pickled:
+            raise UnsafeFileError(
+                f"{role} checkpoint {str(folder)!r} has only pickle weights ({', '.join(pickled)}); edgespec never "
+                "unpickles checkpoints. Convert them to safetensors in a trusted environment "
+                "(model.save_pretrained(folder, safe_serialization=True)) and export again"
+            )
+        raise CheckpointError(f"{role} checkpoint {str(folder)!r} has no *.safetensors weights; save the model with safe_serialization=True")
+    return Checkpoint(path=folder, config=config, model_type=model_type, kind=SUPPORTED_ARCHITECTURES[model_type])

@@ -1,0 +1,64 @@
+"""``edgespec export``: command-line front end of ``export_bundle``."""
+from __future__ import annotations
+
+import argparse
+
+from edgespec.errors import InvalidArgumentError
+
+from .quantize import QUANT_CHOICES
+
+EPILOG = """\
+examples:
+  edgespec export --target ckpt/llama-1b --draft ckpt/llama-68m --out bundles/llama
+  edgespec export --model ckpt/gpt2 --out bundles/gpt2            (single model: plain decoding only)
+  edgespec export --target T --draft D --out B --quantize-draft int8
+
+Precision: fp32 by default. --quantize int8 applies ONNX Runtime dynamic int8 quantization
+(MatMul/Gemm weights int8, activations quantized at run time) to both models; --quantize-target /
+--quantize-draft set it per model and override --quantize. fp16 export is not supported yet.
+Every model is validated against PyTorch (prefill, 1-token step, multi-token step); above
+tolerance the export fails and nothing is written.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EPILOG
+    src = parser.add_argument_group("inputs (local Hugging Face folders: config.json, *.safetensors, tokenizer.json)")
+    src.add_argument("--target", metavar="DIR", help="target (large) model checkpoint folder")
+    src.add_argument("--draft", metavar="DIR", help="draft (small) model checkpoint folder; same tokenizer as the target")
+    src.add_argument("--model", metavar="DIR", help="single model (no draft): same as --target without --draft")
+    parser.add_argument("--out", required=True, metavar="BUNDLE", help="bundle folder to write (must not exist or be empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing non-empty output folder")
+    parser.add_argument("--quantize", choices=QUANT_CHOICES, default="none", help="precision change for both models (default: none = fp32)")
+    parser.add_argument("--quantize-target", choices=QUANT_CHOICES, default=None, help="override --quantize for the target")
+    parser.add_argument("--quantize-draft", choices=QUANT_CHOICES, default=None, help="override --quantize for the draft")
+    parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32", help="export dtype (fp16 not supported yet)")
+    parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: optimum's choice for the architecture)")
+    parser.add_argument("--atol", type=float, default=None, help="validation tolerance, fp32 graphs (default 1e-3)")
+    parser.add_argument("--quantized-atol", type=float, default=None, help="validation tolerance, int8 graphs (default 1.0)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .pipeline import DEFAULT_ATOL, DEFAULT_QUANTIZED_ATOL, ExportOptions, _stderr_progress, export_bundle
+
+    if args.model and (args.target or args.draft):
+        raise InvalidArgumentError("use either --model DIR (single model) or --target DIR [--draft DIR], not both")
+    target = args.model or args.target
+    if not target:
+        raise InvalidArgumentError("nothing to export: pass --target DIR (and --draft DIR), or --model DIR")
+    options = ExportOptions(
+        quantize_target=args.quantize_target or args.quantize,
+        quantize_draft=args.quantize_draft or args.quantize,
+        dtype=args.dtype,
+        opset=args.opset,
+        atol=DEFAULT_ATOL if args.atol is None else args.atol,
+        quantized_atol=DEFAULT_QUANTIZED_ATOL if args.quantized_atol is None else args.quantized_atol,
+        overwrite=args.overwrite,
+    )
+    manifest = export_bundle(target, args.out, draft=args.draft, options=options,
+                             progress=None if args.quiet else _stderr_progress)
+    roles = ", ".join(f"{r}={m.architecture} ({m.quantization})" for r, m in manifest.models.items())
+    print(f"wrote bundle {args.out}: {roles}; shared vocab {manifest.shared_vocab_size}")
+    return 0

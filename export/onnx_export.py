@@ -1,0 +1,108 @@
+"""PyTorch -> ONNX with KV-cache IO, through optimum-onnx's exporter.
+
+optimum already produces what we need for decoder-only models: one graph whose past may be empty
+(prefill) or hold P tokens, taking k >= 1 new tokens and returning logits for all k positions and
+present = concat(past, new). For encoder-decoder models its ``decoder_with_past`` graph is traced
+with ONE new token and its logits axis is pinned to the literal "1" (huggingface/optimum#1668:
+feeding k > 1 tokens fails). ``MultiTokenT5OnnxConfig`` fixes both: the with-past decoder is traced
+with several new tokens and its logits/present sequence axes are symbolic, so one call can verify
+gamma + 1 tokens.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+from edgespec import contract
+
+from .checkpoint import Checkpoint
+
+TRACE_NEW_TOKENS = 3  # tokens fed to the with-past decoder while tracing (any value > 1 works)
+
+
+def load_torch_model(ckpt: Checkpoint):
+    """Load a checkpoint from safetensors only (``use_safetensors=True``: never unpickle)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    cls = AutoModelForSeq2SeqLM if ckpt.kind == contract.KIND_SEQ2SEQ else AutoModelForCausalLM
+    model = cls.from_pretrained(str(ckpt.path), use_safetensors=True, local_files_only=True, dtype=torch.float32)
+    return model.eval()
+
+
+def _multi_token_t5_config_class():
+    from optimum.exporters.onnx.model_configs import T5OnnxConfig
+
+    class MultiTokenT5OnnxConfig(T5OnnxConfig):
+        def overwrite_shape_and_generate_input(self, dummy_input_gen, input_name, framework, input_shapes):
+            if self.use_past_in_inputs and input_name == "decoder_input_ids":
+                saved = dummy_input_gen.sequence_length
+                dummy_input_gen.sequence_length = TRACE_NEW_TOKENS
+                try:
+                    return dummy_input_gen.generate(
+                        input_name, framework=framework, int_dtype=self.int_dtype, float_dtype=self.float_dtype
+                    )
+                finally:
+                    dummy_input_gen.sequence_length = saved
+            return super().overwrite_shape_and_generate_input(dummy_input_gen, input_name, framework, input_shapes)
+
+        @property
+        def outputs(self):
+            outputs = super().outputs
+            if self.use_past_in_inputs and contract.LOGITS in outputs:
+                # optimum pins this axis to "1" for the with-past decoder; it is the number of new tokens.
+                outputs[contract.LOGITS] = {0: "batch_size", 1: "decoder_sequence_length"}
+            return outputs
+
+    return MultiTokenT5OnnxConfig
+
+
+def _seq2seq_custom_configs(model) -> dict:
+    cls = _multi_token_t5_config_class()
+    base = cls(model.config, task="text2text-generation", use_past=True, use_past_in_inputs=False)
+    return {
+        "encoder_model": base.with_behavior("encoder"),
+        "decoder_model": base.with_behavior("decoder", use_past=True, use_past_in_inputs=False),
+        "decoder_with_past_model": base.with_behavior("decoder", use_past=True, use_past_in_inputs=True),
+    }
+
+
+def export_graphs(model, ckpt: Checkpoint, out_dir: Path, opset: int | None) -> int:
+    """Write the ONNX graph(s) of ``model`` (and its config/tokenizer files) into ``out_dir``; return the opset."""
+    from optimum.exporters.onnx import onnx_export_from_model
+    from optimum.exporters.onnx.base import OnnxConfig  # noqa: F401  (import check: optimum-onnx present)
+    from optimum.exporters.tasks import TasksManager
+
+    if ckpt.kind == contract.KIND_SEQ2SEQ:
+        task, custom = "text2text-generation-with-past", _seq2seq_custom_configs(model)
+    else:
+        task, custom = "text-generation-with-past", None
+    ctor = TasksManager.get_exporter_config_constructor(exporter="onnx", model=model, task=task, library_name="transformers")
+    used_opset = opset or ctor(model.config, task=task).DEFAULT_ONNX_OPSET
+    with warnings.catch_warnings():
+        # torch.jit tracer warnings about Python control flow are expected: the graphs are
+        # validated numerically against PyTorch right after export.
+        warnings.simplefilter("ignore")
+        quiet = [logging.getLogger(n) for n in ("optimum", "transformers")]
+        levels = [lg.level for lg in quiet]
+        for lg in quiet:
+            lg.setLevel(logging.ERROR)
+        try:
+            onnx_export_from_model(
+                model=model,
+                output=out_dir,
+                task=task,
+                opset=used_opset,
+                do_validation=False,  # edgespec validates itself, and fails (optimum only warns)
+                no_post_process=True,  # keep decoder / decoder_with_past separate (no If-merged graph)
+                custom_onnx_configs=custom,
+                device="cpu",
+            )
+        finally:
+            for lg, lv in zip(quiet, levels):
+                lg.setLevel(lv)
+    for name in contract.GRAPH_FILES[ckpt.kind].values():
+        if not (out_dir / name).is_file():
+            raise RuntimeError(f"optimum did not write {name} in {out_dir}")  # bug, not user error
+    return used_opset

@@ -1,0 +1,245 @@
+"""``export_bundle``: checkpoints -> validated bundle, written atomically.
+
+Order: every cheap check first (folders, files, architecture, output path, tokenizers), then the
+slow work inside a temporary folder next to the destination, renamed into place only when every
+model is exported, validated and described in the manifest. A failure or an interrupt removes the
+temporary folder, so nothing that looks like a bundle is ever left behind.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+from edgespec import contract
+from edgespec.bundle import BundleManifest, ModelManifest, load_bundle, write_manifest
+from edgespec.errors import InvalidArgumentError, OutputExistsError, UnsupportedArchitectureError
+
+from . import graph_info, validate
+from .checkpoint import Checkpoint, inspect_checkpoint
+from .quantize import QUANT_CHOICES, QUANT_LABEL, check_dtype, quantize_int8
+from .tokenizer_check import check_model_covers_tokenizer, load_vocab, shared_vocab, tokenizer_size
+
+DEFAULT_ATOL = 1e-3  # fp32 ORT vs PyTorch on logits and KV (typical real-model diffs: 1e-5..1e-4)
+DEFAULT_QUANTIZED_ATOL = 1.0  # int8 weights: logits move by O(0.1); this only catches broken graphs
+T5_DEFAULT_MAX_POSITIONS = 512  # relative attention has no hard limit; T5 was trained on 512 tokens
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Everything ``export_bundle`` needs besides the paths."""
+
+    quantize_target: str = "none"
+    quantize_draft: str = "none"
+    dtype: str = "fp32"
+    opset: int | None = None
+    atol: float = DEFAULT_ATOL
+    quantized_atol: float = DEFAULT_QUANTIZED_ATOL
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("quantize_target", "quantize_draft"):
+            if getattr(self, name) not in QUANT_CHOICES:
+                raise InvalidArgumentError(f"{name.replace('_', '-')} must be one of {', '.join(QUANT_CHOICES)}; got {getattr(self, name)!r}")
+        check_dtype(self.dtype)
+        for name in ("atol", "quantized_atol"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not v > 0:
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive number; got {v!r}")
+        if self.opset is not None and (not isinstance(self.opset, int) or self.opset < 14):
+            raise InvalidArgumentError(f"--opset must be an integer >= 14; got {self.opset!r}")
+
+
+def _stderr_progress(message: str) -> None:
+    print(f"[edgespec export] {message}", file=sys.stderr, flush=True)
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def check_output(out: Path, inputs: list[Path], overwrite: bool) -> Path:
+    dest = out.expanduser().resolve()
+    for src in inputs:
+        s = src.resolve()
+        if _inside(dest, s):
+            raise OutputExistsError(f"output folder {str(out)!r} lies inside the input checkpoint {str(src)!r}; choose an output outside it")
+        if _inside(s, dest):
+            raise OutputExistsError(f"input checkpoint {str(src)!r} lies inside the output folder {str(out)!r}; choose another output folder")
+    if dest.exists() and not dest.is_dir():
+        raise OutputExistsError(f"output {str(out)!r} exists and is not a folder; choose another path")
+    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+        raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; choose another path or pass --overwrite")
+    return dest
+
+
+def _eos_ids(folder: Path, config: dict) -> list[int]:
+    eos = None
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+    if eos is None:
+        eos = config.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def _max_positions(ckpt: Checkpoint) -> int:
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        if isinstance(ckpt.config.get(key), int):
+            return int(ckpt.config[key])
+    if ckpt.kind == contract.KIND_SEQ2SEQ:
+        return T5_DEFAULT_MAX_POSITIONS
+    raise UnsupportedArchitectureError(f"{ckpt.path}/config.json has no max_position_embeddings / n_positions; add it and export again")
+
+
+def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, opts: ExportOptions,
+                progress: Callable[[str], None]) -> tuple[ModelManifest, int]:
+    from .onnx_export import export_graphs, load_torch_model
+
+    t0 = time.perf_counter()
+    progress(f"{role}: loading {ckpt.architecture} from {ckpt.path} (safetensors)")
+    model = load_torch_model(ckpt)
+    rows = int(model.get_output_embeddings().weight.shape[0])
+    vocab = load_vocab(ckpt.path)
+    check_model_covers_tokenizer(vocab, rows, role)
+    progress(f"{role}: exporting ONNX graphs with KV-cache IO")
+    folder.mkdir(parents=True)
+    opset = export_graphs(model, ckpt, folder, opts.opset)
+    shutil.copy2(ckpt.path / contract.TOKENIZER_FILE, folder / contract.TOKENIZER_FILE)
+
+    seq2seq = ckpt.kind == contract.KIND_SEQ2SEQ
+    files = dict(contract.GRAPH_FILES[ckpt.kind])
+    step_graph = folder / files["decoder_with_past" if seq2seq else "decoder"]
+    num_layers = int(ckpt.config.get("num_decoder_layers") or ckpt.config.get("num_layers")) if seq2seq else None
+    if not seq2seq:
+        import onnx
+
+        inputs = [i.name for i in onnx.load(str(step_graph), load_external_data=False).graph.input]
+        num_layers = sum(1 for n in inputs if n.startswith("past_key_values.")) // 2
+    past0 = (contract.seq2seq_self_past_names if seq2seq else contract.decoder_past_names)(num_layers)[0]
+    kv_heads, head_size = graph_info.kv_geometry(step_graph, past0)
+    dec_start = ckpt.config.get("decoder_start_token_id")
+    limit = tokenizer_size(vocab)
+
+    def run_validation(what: str, atol: float) -> dict:
+        if seq2seq:
+            stages = validate.validate_seq2seq(model, folder, num_layers, limit, int(dec_start or 0))
+        else:
+            stages = validate.validate_decoder(model, folder, num_layers, limit)
+        return validate.summarize(stages, atol, what)
+
+    progress(f"{role}: validating ONNX Runtime vs PyTorch (prefill, 1-token step, {validate.MULTI_STEP_TOKENS}-token step)")
+    record = {"fp32": run_validation(f"{role} (fp32)", opts.atol)}
+    if quant == "int8":
+        progress(f"{role}: int8 dynamic quantization")
+        for name in files.values():
+            quantize_int8(folder / name)
+        progress(f"{role}: validating the int8 graphs vs PyTorch")
+        record["int8"] = run_validation(f"{role} (int8)", opts.quantized_atol)
+
+    pbytes = graph_info.parameter_bytes(step_graph)
+    bytes_record = {"total": sum(graph_info.parameter_bytes(folder / f)["total"] for f in files.values()),
+                    "per_forward": pbytes["per_forward"]}
+    if seq2seq:
+        bytes_record["encoder"] = graph_info.parameter_bytes(folder / files["encoder"])["per_forward"]
+    cfg = ckpt.config
+    manifest = ModelManifest(
+        path=role,
+        architecture=ckpt.architecture,
+        model_type=ckpt.model_type,
+        kind=ckpt.kind,
+        files=files,
+        vocab_size=rows,
+        tokenizer_size=limit,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=_eos_ids(ckpt.path, cfg),
+        pad_token_id=cfg.get("pad_token_id"),
+        decoder_start_token_id=dec_start if seq2seq else None,
+        num_layers=num_layers,
+        num_kv_heads=kv_heads,
+        head_size=head_size,
+        max_positions=_max_positions(ckpt),
+        dtype=opts.dtype,
+        quantization=QUANT_LABEL[quant],
+        parameter_bytes=bytes_record,
+        validation=record,
+    )
+    del model
+    progress(f"{role}: done in {time.perf_counter() - t0:.1f}s (max abs diff {record['fp32']['max_abs_diff']:.2e})")
+    return manifest, opset
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for dist in ("edgespec", "torch", "transformers", "optimum-onnx", "optimum", "onnx", "onnxruntime", "tokenizers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None = None,
+                  options: ExportOptions = ExportOptions(),
+                  progress: Callable[[str], None] | None = _stderr_progress) -> BundleManifest:
+    """Export ``target`` (and ``draft``) checkpoints into the bundle folder ``out``; return its manifest."""
+    progress = progress or (lambda message: None)
+    roles: dict[str, Checkpoint] = {contract.ROLE_TARGET: inspect_checkpoint(target, contract.ROLE_TARGET)}
+    if draft is not None:
+        roles[contract.ROLE_DRAFT] = inspect_checkpoint(draft, contract.ROLE_DRAFT)
+        t, d = roles[contract.ROLE_TARGET], roles[contract.ROLE_DRAFT]
+        if t.kind != d.kind:
+            raise UnsupportedArchitectureError(
+                f"target is {t.kind} ({t.model_type}) but draft is {d.kind} ({d.model_type}); both must be "
+                "decoder-only or both encoder-decoder: pick a draft of the target's family"
+            )
+    dest = check_output(Path(out), [c.path for c in roles.values()], options.overwrite)
+
+    tok_record: dict = {}
+    if draft is not None:
+        t, d = roles[contract.ROLE_TARGET], roles[contract.ROLE_DRAFT]
+        tok_record = shared_vocab(load_vocab(t.path), load_vocab(d.path),
+                                  int(t.config.get("vocab_size", 0)), int(d.config.get("vocab_size", 0)))
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        models, opset = {}, 0
+        for role, ckpt in roles.items():
+            quant = options.quantize_target if role == contract.ROLE_TARGET else options.quantize_draft
+            models[role], opset = _export_one(ckpt, role, tmp / role, quant, options, progress)
+        if draft is not None:
+            # Actual embedding rows (config vocab_size may be absent or stale).
+            tok_record = shared_vocab(load_vocab(tmp / contract.ROLE_TARGET), load_vocab(tmp / contract.ROLE_DRAFT),
+                                      models[contract.ROLE_TARGET].vocab_size, models[contract.ROLE_DRAFT].vocab_size)
+        manifest = BundleManifest(
+            schema_version=contract.SCHEMA_VERSION,
+            models=models,
+            shared_vocab_size=tok_record.get("shared_vocab_size", models[contract.ROLE_TARGET].vocab_size),
+            opset=opset,
+            library_versions=_versions(),
+            tokenizer_check=tok_record,
+        )
+        write_manifest(tmp, manifest)
+        load_bundle(tmp)  # the reader must accept what the writer wrote
+        progress(f"writing {dest}")
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.replace(dest, old / "bundle")
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest

@@ -1,0 +1,37 @@
+"""Post-export precision changes, per model."""
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+from edgespec.errors import InvalidArgumentError
+
+QUANT_CHOICES = ("none", "int8")
+QUANT_LABEL = {"none": "none", "int8": "int8-dynamic"}
+
+
+def quantize_int8(graph: Path) -> None:
+    """Dynamic int8 quantization of MatMul/Gemm weights (activations quantized at run time), in place.
+
+    onnxruntime.quantization stores int8 weights with per-tensor scale/zero point; the KV cache
+    and logits stay fp32, so the runtime contract is unchanged.
+    """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    tmp = graph.with_name(graph.stem + ".int8.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_dynamic(str(graph), str(tmp), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"])
+    os.replace(tmp, graph)
+
+
+def check_dtype(dtype: str) -> None:
+    if dtype == "fp32":
+        return
+    if dtype == "fp16":
+        raise InvalidArgumentError(
+            "--dtype fp16 is not supported by this exporter yet: ONNX Runtime's CPU provider runs most fp16 "
+            "ops slowly or not at all and validation needs a GPU. Export fp32 (default) or use --quantize int8"
+        )
+    raise InvalidArgumentError(f"--dtype must be fp32 or fp16; got {dtype!r}")

@@ -1,0 +1,60 @@
+"""Draft/target vocabulary compatibility.
+
+Speculative decoding compares the draft's and the target's distributions id by id, so the two
+tokenizers must map the same text pieces to the same ids. Model vocabularies may still differ in
+size: embedding matrices are often padded past the tokenizer (T5: 32100 tokens, 32128 rows). Such
+padding rows never correspond to text; the loop compares only the first ``shared_vocab_size`` ids.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgespec import contract
+from edgespec.errors import CheckpointError, TokenizerMismatchError
+
+
+def load_vocab(folder: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(folder / contract.TOKENIZER_FILE))
+    except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
+        raise CheckpointError(f"{folder / contract.TOKENIZER_FILE} cannot be read ({exc}); save the tokenizer again") from exc
+    return tok.get_vocab(with_added_tokens=True)
+
+
+def tokenizer_size(vocab: dict[str, int]) -> int:
+    return max(vocab.values(), default=-1) + 1
+
+
+def check_model_covers_tokenizer(vocab: dict[str, int], model_vocab: int, role: str) -> None:
+    size = tokenizer_size(vocab)
+    if size > model_vocab:
+        raise TokenizerMismatchError(
+            f"the {role} tokenizer has ids up to {size - 1} but the model has only {model_vocab} embedding rows; "
+            "use the tokenizer that was trained with this model"
+        )
+
+
+def shared_vocab(target_vocab: dict[str, int], draft_vocab: dict[str, int], target_rows: int, draft_rows: int) -> dict:
+    """Return the compatibility record for the manifest, or raise TokenizerMismatchError."""
+    if target_vocab != draft_vocab:
+        t_items, d_items = set(target_vocab.items()), set(draft_vocab.items())
+        only_t = sorted(t_items - d_items, key=lambda kv: kv[1])[:5]
+        only_d = sorted(d_items - t_items, key=lambda kv: kv[1])[:5]
+        raise TokenizerMismatchError(
+            f"draft and target tokenizers differ ({len(t_items ^ d_items)} differing token/id entries; "
+            f"target-only e.g. {only_t}, draft-only e.g. {only_d}); speculative decoding needs the same "
+            "tokenizer: pick a draft from the same model family (or distill one with `edgespec distill`)"
+        )
+    size = tokenizer_size(target_vocab)
+    check_model_covers_tokenizer(target_vocab, target_rows, "target")
+    check_model_covers_tokenizer(draft_vocab, draft_rows, "draft")
+    return {
+        "identical_token_to_id_mapping": True,
+        "tokenizer_size": size,
+        "target_vocab_size": target_rows,
+        "draft_vocab_size": draft_rows,
+        "padding_rows": {"target": target_rows - size, "draft": draft_rows - size},
+        "shared_vocab_size": min(target_rows, draft_rows),
+    }

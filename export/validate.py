@@ -1,0 +1,160 @@
+"""ONNX Runtime vs PyTorch on the three call shapes the speculative loop makes.
+
+The reference is ONE cache-free PyTorch forward over the whole sequence; the ONNX graphs are run
+incrementally: prefill (n tokens, empty past), a 1-token step (the draft's call) and a k-token
+step (the target verifying gamma + 1 tokens). Every logits and present output of every stage is
+compared with the matching slice of the reference; the max abs diff of each is recorded.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from edgespec import contract
+from edgespec.errors import ValidationError
+
+PREFILL_TOKENS = 7
+MULTI_STEP_TOKENS = 4  # the k-token step (gamma + 1 with gamma = 3)
+
+
+def _kv_pairs(cache) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(key, value) per layer of a transformers cache, as numpy [1, kv_heads, seq, head]."""
+    if hasattr(cache, "layers"):
+        pairs = [(layer.keys, layer.values) for layer in cache.layers]
+    elif hasattr(cache, "to_legacy_cache"):
+        pairs = [tuple(kv[:2]) for kv in cache.to_legacy_cache()]
+    else:
+        pairs = [tuple(kv[:2]) for kv in cache]
+    return [(k.detach().float().numpy(), v.detach().float().numpy()) for k, v in pairs]
+
+
+def _diff(a: np.ndarray, b: np.ndarray, name: str) -> float:
+    if a.shape != b.shape:
+        raise ValidationError(f"output {name}: ONNX shape {a.shape} differs from PyTorch {b.shape}; the export is broken, report it")
+    d = np.abs(a.astype(np.float64) - b.astype(np.float64))
+    return float("nan") if not np.all(np.isfinite(d)) else float(d.max(initial=0.0))
+
+
+def _session(path: Path):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def _float_type(sess, name: str):
+    t = next(i.type for i in sess.get_inputs() if i.name == name)
+    return np.float16 if "float16" in t else np.float32
+
+
+def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, seed: int = 0) -> dict:
+    import torch
+
+    sess = _session(folder / contract.DECODER_FILE)
+    in_names = {i.name for i in sess.get_inputs()}
+    past_names = contract.decoder_past_names(num_layers)
+    present_names = contract.decoder_present_names(num_layers)
+    shapes = {i.name: i.shape for i in sess.get_inputs()}
+    heads, head = shapes[past_names[0]][1], shapes[past_names[0]][3]
+    ftype = _float_type(sess, past_names[0])
+
+    rng = np.random.default_rng(seed)
+    total = PREFILL_TOKENS + 1 + MULTI_STEP_TOKENS
+    ids = rng.integers(0, vocab_limit, size=(1, total), dtype=np.int64)
+    with torch.no_grad():
+        ref = model(input_ids=torch.from_numpy(ids), use_cache=True)
+    ref_logits = ref.logits.float().numpy()
+    ref_kv = [a for pair in _kv_pairs(ref.past_key_values) for a in pair]
+
+    past = [np.zeros((1, heads, 0, head), dtype=ftype) for _ in past_names]
+    stages, start = {}, 0
+    for stage, k in (("prefill", PREFILL_TOKENS), ("step_1", 1), (f"step_{MULTI_STEP_TOKENS}", MULTI_STEP_TOKENS)):
+        end = start + k
+        feed = {contract.INPUT_IDS: ids[:, start:end], **dict(zip(past_names, past))}
+        if contract.ATTENTION_MASK in in_names:
+            feed[contract.ATTENTION_MASK] = np.ones((1, end), dtype=np.int64)
+        if contract.POSITION_IDS in in_names:
+            feed[contract.POSITION_IDS] = np.arange(start, end, dtype=np.int64)[None, :]
+        outs = sess.run([contract.LOGITS, *present_names], feed)
+        diffs = {contract.LOGITS: _diff(outs[0], ref_logits[:, start:end], contract.LOGITS)}
+        for name, got, want in zip(present_names, outs[1:], ref_kv):
+            diffs[name] = _diff(got, want[:, :, :end], name)
+        stages[stage] = diffs
+        past, start = outs[1:], end
+    return stages
+
+
+def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, decoder_start: int, seed: int = 0) -> dict:
+    import torch
+
+    enc = _session(folder / contract.ENCODER_FILE)
+    dec = _session(folder / contract.SEQ2SEQ_DECODER_FILE)
+    dec_past = _session(folder / contract.SEQ2SEQ_DECODER_WITH_PAST_FILE)
+    self_past = contract.seq2seq_self_past_names(num_layers)
+    self_present = contract.seq2seq_self_present_names(num_layers)
+    cross_past = contract.seq2seq_cross_past_names(num_layers)
+    cross_present = contract.seq2seq_cross_present_names(num_layers)
+
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, vocab_limit, size=(1, PREFILL_TOKENS), dtype=np.int64)
+    mask = np.ones_like(src)
+    steps = 1 + MULTI_STEP_TOKENS
+    tgt = np.concatenate([[[decoder_start]], rng.integers(0, vocab_limit, size=(1, steps))], axis=1).astype(np.int64)
+    with torch.no_grad():
+        # The encoder is called explicitly: after optimum's export the encoder stack's config may
+        # carry use_cache=True, which T5Stack refuses for an encoder.
+        encoded = model.get_encoder()(input_ids=torch.from_numpy(src), attention_mask=torch.from_numpy(mask),
+                                      use_cache=False, return_dict=True)
+        ref = model(encoder_outputs=encoded, attention_mask=torch.from_numpy(mask),
+                    decoder_input_ids=torch.from_numpy(tgt), use_cache=True)
+    ref_logits = ref.logits.float().numpy()
+    cache = ref.past_key_values
+    ref_self = [a for pair in _kv_pairs(cache.self_attention_cache) for a in pair]
+    ref_cross = [a for pair in _kv_pairs(cache.cross_attention_cache) for a in pair]
+
+    stages = {}
+    (hidden,) = enc.run([contract.ENCODER_OUTPUT], {contract.ENCODER_INPUT_IDS: src, contract.ENCODER_ATTENTION_MASK: mask})
+    stages["encoder"] = {contract.ENCODER_OUTPUT: _diff(hidden, ref.encoder_last_hidden_state.float().numpy(), contract.ENCODER_OUTPUT)}
+
+    outs = dec.run([contract.LOGITS, *self_present, *cross_present], {
+        contract.DECODER_INPUT_IDS: tgt[:, :1], contract.DECODER_ENCODER_HIDDEN_STATES: hidden,
+        contract.DECODER_ENCODER_ATTENTION_MASK: mask})
+    n = num_layers * 2
+    logits, past, cross = outs[0], outs[1:1 + n], outs[1 + n:]
+    diffs = {contract.LOGITS: _diff(logits, ref_logits[:, :1], contract.LOGITS)}
+    diffs.update({nm: _diff(g, w[:, :, :1], nm) for nm, g, w in zip(self_present, past, ref_self)})
+    diffs.update({nm: _diff(g, w, nm) for nm, g, w in zip(cross_present, cross, ref_cross)})
+    stages["prefill"] = diffs
+
+    start = 1
+    for stage, k in (("step_1", 1), (f"step_{MULTI_STEP_TOKENS}", MULTI_STEP_TOKENS)):
+        end = start + k
+        feed = {contract.DECODER_INPUT_IDS: tgt[:, start:end], contract.DECODER_ENCODER_ATTENTION_MASK: mask,
+                **dict(zip(self_past, past)), **dict(zip(cross_past, cross))}
+        outs = dec_past.run([contract.LOGITS, *self_present], feed)
+        diffs = {contract.LOGITS: _diff(outs[0], ref_logits[:, start:end], contract.LOGITS)}
+        diffs.update({nm: _diff(g, w[:, :, :end], nm) for nm, g, w in zip(self_present, outs[1:], ref_self)})
+        stages[stage] = diffs
+        past, start = outs[1:], end
+    return stages
+
+
+def summarize(stages: dict, atol: float, what: str) -> dict:
+    """Worst diff over all stages/outputs; ValidationError if it exceeds ``atol`` (or is NaN)."""
+    worst_name, worst = None, 0.0
+    for stage, diffs in stages.items():
+        for name, d in diffs.items():
+            if not np.isfinite(d) or d > worst:
+                worst_name, worst = f"{stage}/{name}", d
+            if not np.isfinite(d):
+                break
+    if not np.isfinite(worst) or worst > atol:
+        raise ValidationError(
+            f"{what}: ONNX Runtime output {worst_name} differs from PyTorch by {worst:.3g} (tolerance {atol:g}); "
+            "no bundle was written. If this is a quantized model, export without --quantize or raise "
+            "--quantized-atol; otherwise try another --opset, or raise --atol only if you accept the error"
+        )
+    return {"atol": atol, "max_abs_diff": worst, "worst_output": worst_name, "stages": stages}

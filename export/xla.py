@@ -1,0 +1,289 @@
+"""Export a Hugging Face checkpoint to serialized ``jax.export`` artifacts (the XLA reference path).
+
+Layout written under ``out_dir/xla/``::
+
+    xla.json                 self-describing manifest (see ``export_xla``)
+    weights.safetensors      float32 params, keyed by (normalized) Hugging Face tensor names
+    config.json              copy of the source config (for reference only)
+    prefill_<P>.bin          decoder-only: f(params, ids[P] i32, n i32) -> (logits[V], kv)
+    encode_<E>.bin           T5: f(params, ids[E] i32, n i32) -> (cross_kv, kv)
+    extend_<k>.bin           decoder-only: f(params, kv, ids[k] i32, pos i32) -> (logits[k, V], kv)
+                             T5: f(params, kv, cross_kv, enc_len i32, ids[k] i32, pos i32) -> (logits[k, V], kv)
+
+``kv`` and ``cross_kv`` are pairs (K, V) of float32 arrays ``[layers, 1, kv_heads, length, head_dim]``.
+Weights are arguments of every artifact (never baked-in constants), so one weights file serves all
+artifacts and the ``.bin`` files stay small. Each ``.bin`` is ``Exported.serialize()`` (StableHLO plus
+jax's calling convention), lowered for every platform asked for (cpu, cuda, rocm, tpu).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from edgespec.errors import InvalidArgumentError, OutputExistsError
+
+FORMAT = "edgespec-xla"
+FORMAT_VERSION = 1
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+XLA_SUBDIR = "xla"
+MANIFEST = "xla.json"
+WEIGHTS = "weights.safetensors"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_int(name: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+        raise InvalidArgumentError(f"{name} must be an integer >= {lo}; got {v!r}")
+    return int(v)
+
+
+def _default_buckets(max_len: int) -> list[int]:
+    return sorted({b for b in (16, 64, 256, 1024) if b < max_len} | {max_len})
+
+
+def export_xla(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    platforms: Sequence[str] = ("cpu",),
+    max_length: int | None = None,
+    verify_width: int = 9,
+    *,
+    widths: Sequence[int] | None = None,
+    prefill_buckets: Sequence[int] | None = None,
+    max_source_length: int | None = None,
+    overwrite: bool = False,
+) -> dict[str, Any]:
+    """Write ``out_dir/xla/`` (artifacts, weights, manifest) for one checkpoint; return the manifest.
+
+    Args:
+        checkpoint_dir: Hugging Face folder with config.json + model.safetensors (gpt2, llama, t5).
+        out_dir: the bundle (or model) folder; artifacts go to ``out_dir/xla``.
+        platforms: lowering targets, any of cpu, cuda, rocm, tpu (one artifact serves all).
+        max_length: static KV buffer length (decoder tokens). Default: min(model positions, 2048)
+            for decoder-only models, 512 for T5.
+        verify_width: widest extend (max gamma + 1).
+        widths: extend widths to export (default 1..verify_width; must contain 1). A call with a
+            width that was not exported runs the next wider artifact (padded) or splits.
+        prefill_buckets: padded prompt sizes for decoder-only prefill (default 16, 64, 256, 1024
+            below max_length, plus max_length). Longer prompts (<= max_length) are prefilled by
+            the largest bucket, then extended in verify-width chunks.
+        max_source_length: T5 encoder bucket (longest prompt); default 512.
+        overwrite: replace an existing ``out_dir/xla``.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import export as jexport
+    from safetensors.numpy import save_file
+
+    from edgespec.runtimes import xla_models as xm
+
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    if isinstance(platforms, str):
+        platforms = [platforms]
+    platforms = [str(p).lower() for p in platforms]
+    bad = [p for p in platforms if p not in PLATFORMS]
+    if not platforms or bad:
+        raise InvalidArgumentError(f"unknown XLA platform(s) {bad or platforms}; choose from {', '.join(PLATFORMS)}")
+    platforms = list(dict.fromkeys(platforms))
+    verify_width = _check_int("verify_width", verify_width, 1)
+
+    spec, params = xm.load_model(checkpoint_dir)
+    if max_length is None:
+        max_length = min(spec.max_positions, 2048) if spec.max_positions else 512
+    max_length = _check_int("max_length", max_length, 2)
+    xm.check_max_length(spec, max_length)
+    if verify_width > max_length:
+        raise InvalidArgumentError(f"verify_width={verify_width} exceeds max_length={max_length}")
+    widths = sorted({_check_int("width", w, 1) for w in (widths or range(1, verify_width + 1))})
+    if 1 not in widths or widths[-1] > verify_width:
+        raise InvalidArgumentError(f"widths {widths} must contain 1 and none may exceed verify_width={verify_width}")
+    if verify_width not in widths:
+        widths.append(verify_width)
+
+    dest = out_dir / XLA_SUBDIR
+    if dest.exists() and any(dest.iterdir()):
+        if not overwrite:
+            raise OutputExistsError(f"{dest} exists; remove it or pass overwrite=True (--overwrite)")
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+
+    t0 = time.perf_counter()
+    f32, i32 = jnp.float32, jnp.int32
+    p_avals = {k: jax.ShapeDtypeStruct(v.shape, f32) for k, v in params.items()}
+    kv_sh = xm.kv_shape(spec, max_length)
+    kv_aval = (jax.ShapeDtypeStruct(kv_sh, f32),) * 2
+    scalar = jax.ShapeDtypeStruct((), i32)
+    vocab = xm.output_vocab(spec, params)
+    artifacts: dict[str, dict[str, Any]] = {"extend": {}}
+
+    def emit(kind: str, size: int, fn, args) -> None:
+        exp = jexport.export(jax.jit(fn), platforms=platforms)(*args)
+        name = f"{kind}_{size}.bin"
+        (dest / name).write_bytes(bytes(exp.serialize()))
+        artifacts.setdefault(kind, {})[str(size)] = {
+            "file": name,
+            "sha256": _sha256(dest / name),
+            "inputs": [f"{a.dtype}{list(a.shape)}" for a in exp.in_avals],
+            "outputs": [f"{a.dtype}{list(a.shape)}" for a in exp.out_avals],
+        }
+
+    extra: dict[str, Any] = {}
+    if spec.encoder_decoder:
+        E = _check_int("max_source_length", 512 if max_source_length is None else max_source_length, 1)
+        cross_sh = (spec.n_layers, 1, spec.kv_heads, E, spec.head_dim)
+        cross_aval = (jax.ShapeDtypeStruct(cross_sh, f32),) * 2
+        emit("encode", E, partial(xm.t5_encode, spec, max_length),
+             (p_avals, jax.ShapeDtypeStruct((E,), i32), scalar))
+        for k in widths:
+            emit("extend", k, partial(xm.t5_step, spec),
+                 (p_avals, kv_aval, cross_aval, scalar, jax.ShapeDtypeStruct((k,), i32), scalar))
+        extra = {"max_source_length": E, "cross_kv_shape": list(cross_sh)}
+        buckets: list[int] = []
+    else:
+        buckets = sorted({_check_int("prefill bucket", b, 1) for b in (prefill_buckets or _default_buckets(max_length))})
+        if buckets[-1] > max_length:
+            raise InvalidArgumentError(f"prefill bucket {buckets[-1]} exceeds max_length={max_length}")
+        for b in buckets:
+            emit("prefill", b, partial(xm.decoder_prefill, spec, max_length),
+                 (p_avals, jax.ShapeDtypeStruct((b,), i32), scalar))
+        for k in widths:
+            emit("extend", k, partial(xm.decoder_step, spec),
+                 (p_avals, kv_aval, jax.ShapeDtypeStruct((k,), i32), scalar))
+
+    save_file(params, str(dest / WEIGHTS), metadata={"format": FORMAT})
+    (dest / WEIGHTS).chmod(0o644)
+    shutil.copyfile(checkpoint_dir / "config.json", dest / "config.json")
+
+    import jaxlib
+
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_type": spec.model_type,
+        "encoder_decoder": spec.encoder_decoder,
+        "jax_version": jax.__version__,
+        "jaxlib_version": getattr(jaxlib, "__version__", None),
+        "platforms": platforms,
+        "dtype": "float32",
+        "vocab_size": vocab,
+        "max_length": max_length,
+        "verify_width": verify_width,
+        "widths": widths,
+        "prefill_buckets": buckets,
+        **extra,
+        "kv_shape": list(kv_sh),
+        "kv_layout": "(K, V), each [layers, batch=1, kv_heads, max_length, head_dim]",
+        "special_tokens": {k: v for k, v in spec.special_tokens.items() if v is not None},
+        "weights": {"file": WEIGHTS, "sha256": _sha256(dest / WEIGHTS),
+                    "tensors": {k: list(v.shape) for k, v in params.items()}},
+        "artifacts": artifacts,
+        "signatures": {
+            "prefill": "(params, ids[P] i32, n i32) -> (logits[V] f32, kv)",
+            "encode": "(params, ids[E] i32, n i32) -> (cross_kv, kv)",
+            "extend": ("(params, kv, ids[k] i32, pos i32) -> (logits[k,V] f32, kv)" if not spec.encoder_decoder else
+                       "(params, kv, cross_kv, enc_len i32, ids[k] i32, pos i32) -> (logits[k,V] f32, kv)"),
+        },
+        "source": {"checkpoint": str(checkpoint_dir.resolve()), "config": "config.json"},
+        "export_seconds": round(time.perf_counter() - t0, 2),
+    }
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+# --------------------------------------------------------------------------------------------
+# CLI hooks (``edgespec export --format xla``)
+# --------------------------------------------------------------------------------------------
+
+def _parse_ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in str(text).replace(",", " ").split()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def add_xla_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of the XLA export. Options the caller already defined (e.g. --max-length) are kept."""
+    have = set(getattr(parser, "_option_string_actions", {}))
+    g = parser.add_argument_group("XLA export (--format xla)")
+
+    def add(flag: str, **kw: Any) -> None:
+        if flag not in have:
+            g.add_argument(flag, **kw)
+
+    add("--platforms", default="cpu",
+        help="comma-separated XLA platforms to lower for: cpu, cuda, rocm, tpu (default: cpu)")
+    add("--max-length", type=int, default=None,
+        help="static KV buffer length in tokens (prompt + generated); default min(model positions, 2048), T5: 512")
+    add("--verify-width", type=int, default=None, help="widest verify block, max gamma + 1 (default 9)")
+    add("--prefill-buckets", type=_parse_ints, default=None,
+        help="padded prompt sizes for prefill, e.g. 16,64,256 (default: 16,64,256,1024 below max-length, plus max-length)")
+    add("--max-source-length", type=int, default=None, help="T5: longest prompt (encoder bucket), default 512")
+    add("--overwrite", action="store_true", help="replace an existing xla/ folder")
+
+
+def run_xla_export(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Export ``args.target`` (and ``args.draft`` if given) to ``<args.out>/<role>/xla``.
+
+    Also accepts ``args.checkpoint`` (a single model, written to ``<args.out>/xla``).
+    Returns {role: manifest}.
+    """
+    platforms = [p for p in str(getattr(args, "platforms", "cpu") or "cpu").replace(",", " ").split()]
+    vw = getattr(args, "verify_width", None)
+    if vw is None:
+        vw = getattr(args, "max_gamma", 8) + 1 if getattr(args, "max_gamma", None) else 9
+    kw = dict(platforms=platforms, max_length=getattr(args, "max_length", None), verify_width=vw,
+              prefill_buckets=getattr(args, "prefill_buckets", None),
+              max_source_length=getattr(args, "max_source_length", None),
+              overwrite=bool(getattr(args, "overwrite", False)))
+    out = Path(getattr(args, "out"))
+    single = getattr(args, "checkpoint", None)
+    if single:
+        return {"model": export_xla(Path(single), out, **kw)}
+    result = {}
+    for role in ("target", "draft"):
+        ckpt = getattr(args, role, None)
+        if ckpt:
+            result[role] = export_xla(Path(ckpt), out / role, **kw)
+    if not result:
+        raise InvalidArgumentError("nothing to export: pass a target (and optionally a draft) checkpoint")
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m edgespec.export.xla CHECKPOINT OUT [options]`` (standalone use)."""
+    import sys
+
+    from edgespec.errors import EdgeSpecError
+
+    parser = argparse.ArgumentParser(prog="python -m edgespec.export.xla", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="Hugging Face checkpoint folder")
+    parser.add_argument("out", help="output folder (artifacts go to OUT/xla)")
+    add_xla_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        m = run_xla_export(args)["model"]
+    except EdgeSpecError as exc:
+        print(f"edgespec export: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    print(f"wrote {Path(args.out) / XLA_SUBDIR} ({m['model_type']}, platforms {','.join(m['platforms'])}, "
+          f"max_length {m['max_length']}, widths {m['widths']}, {m['export_seconds']}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""The train-pair recipe on the tiny preset: determinism, loading, cache reuse, resumption, bad inputs."""
+from __future__ import annotations
+
+import json
+import math
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from edgespec import pair as pair_mod  # noqa: E402
+from edgespec.cli import main  # noqa: E402
+from edgespec.corpus import load_corpus, load_documents, stdlib_files  # noqa: E402
+from edgespec.errors import InvalidArgumentError, OutputExistsError, TrainingError  # noqa: E402
+from edgespec.pair import PRESETS, ModelSize, PairPreset, default_pair_dir, train_pair  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+_FILES = ["argparse.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "string.py", "bisect.py",
+          "heapq.py", "shlex.py", "fnmatch.py", "glob.py", "copy.py", "abc.py"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[Path]:
+    """A ~230 kB corpus: a dozen standard-library modules copied into a temp folder."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    d = tmp_path_factory.mktemp("corpus")
+    out = []
+    for name in _FILES:
+        src = root / name
+        dst = d / name.replace("/", "_")
+        dst.write_bytes(src.read_bytes())
+        out.append(dst)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(corpus, tmp_path_factory) -> Path:
+    return train_pair("tiny", corpus, tmp_path_factory.mktemp("p") / "pair", seed=0, progress=False)
+
+
+def _weights(p: Path) -> dict[str, bytes]:
+    return {r: (p / r / "model.safetensors").read_bytes() for r in ("target", "draft")}
+
+
+def test_deterministic_bitwise(pair, corpus, tmp_path):
+    again = train_pair("tiny", corpus, tmp_path / "again", seed=0, progress=False)
+    assert _weights(again) == _weights(pair)
+    assert (again / "target" / "tokenizer.json").read_bytes() == (pair / "target" / "tokenizer.json").read_bytes()
+
+
+def test_checkpoints_load_with_transformers(pair):
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    for role in ("target", "draft"):
+        folder = pair / role
+        names = {p.name for p in folder.iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "generation_config.json"} <= names
+        assert not any(n.endswith((".bin", ".pt", ".tmp")) for n in names)
+        model = LlamaForCausalLM.from_pretrained(folder, use_safetensors=True)
+        tok = AutoTokenizer.from_pretrained(folder)
+        ids = tok("def f(x):\n    return x + 1\n")["input_ids"]
+        assert ids[0] == tok.bos_token_id
+        assert tok.decode(ids, skip_special_tokens=True) == "def f(x):\n    return x + 1\n"
+        assert tok.eos_token == "<|eos|>" and tok.pad_token == "<|pad|>"
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits
+        assert logits.shape == (1, len(ids), model.config.vocab_size)
+        assert model.config.vocab_size == len(tok)
+    assert (pair / "target" / "tokenizer.json").read_bytes() == (pair / "draft" / "tokenizer.json").read_bytes()
+
+
+def test_pair_json(pair):
+    meta = json.loads((pair / "pair.json").read_text())
+    v = meta["validation"]
+    assert math.isfinite(v["target_loss"]) and math.isfinite(v["draft_loss"])
+    assert meta["target"]["val_loss"] == v["target_loss"] and meta["draft"]["val_loss"] == v["draft_loss"]
+    assert 0 <= v["alpha"]["T0"] <= 1 and 0 <= v["alpha"]["T1"] <= 1
+    assert meta["recipe"]["name"] == "tiny" and meta["seed"] == 0
+    assert meta["corpus"]["files"] == len(_FILES) and meta["corpus"]["bytes"] > 100_000
+    assert meta["corpus"]["heldout_files"] >= 1 and len(meta["corpus"]["sha256"]) == 64
+    assert meta["target"]["steps"] == PRESETS["tiny"].target_steps
+    assert meta["target"]["params"] > meta["draft"]["params"]
+    assert meta["seconds"]["this_run"] > 0
+    assert not any(p.name.endswith(".work") for p in pair.parent.iterdir())
+
+
+def test_cache_reuse(corpus, monkeypatch, tmp_path):
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
+    first = train_pair("tiny", corpus, progress=False)
+    assert first == default_pair_dir("tiny", corpus).absolute()
+    assert first.parent == tmp_path / "cache" / "pairs" and first.name.startswith("tiny-")
+    mtime = (first / "target" / "model.safetensors").stat().st_mtime_ns
+
+    def no_training(role, step):
+        raise AssertionError("the cached pair was retrained")
+
+    second = train_pair("tiny", corpus, progress=False, callback=no_training)
+    assert second == first
+    assert (first / "target" / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_cache_root_env(monkeypatch, tmp_path):
+    monkeypatch.delenv("EDGESPEC_CACHE", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert pair_mod.cache_root() == tmp_path / "edgespec"
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "x"))
+    assert pair_mod.cache_root() == tmp_path / "x"
+
+
+class _Interrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("stop_role,stop_step", [("target", 7), ("draft", 12)])
+def test_resume_after_interruption(pair, corpus, tmp_path, stop_role, stop_step):
+    out = tmp_path / "resumed"
+    every = PRESETS["tiny"].checkpoint_every
+
+    def interrupt(role, step):
+        if role == stop_role and step == stop_step:
+            raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        train_pair("tiny", corpus, out, progress=False, callback=interrupt)
+    assert not out.exists()  # nothing half-written at the final place
+    work = out.with_name(out.name + ".work")
+    assert (work / f"{stop_role}.state.pt").is_file()
+
+    seen: list[tuple[str, int]] = []
+    final = train_pair("tiny", corpus, out, progress=False, callback=lambda r, s: seen.append((r, s)))
+    first_step = min(s for r, s in seen if r == stop_role)
+    assert first_step == (stop_step // every) * every + 1  # resumed from the last saved state
+    if stop_role == "draft":
+        assert all(r == "draft" for r, _ in seen)  # the finished target was not retrained
+    assert _weights(final) == _weights(pair)
+    assert not work.exists()
+
+
+def test_output_exists_and_overwrite(pair, corpus, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        train_pair("tiny", corpus, out, progress=False)
+    assert train_pair("tiny", corpus, out, progress=False, overwrite=True) == out.absolute()
+    assert (out / "pair.json").is_file()
+
+
+def test_bad_corpus(tmp_path):
+    with pytest.raises(TrainingError, match="does not exist"):
+        train_pair("tiny", [tmp_path / "missing.txt"], tmp_path / "o", progress=False)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(TrainingError, match="no text"):
+        train_pair("tiny", [empty], tmp_path / "o", progress=False)
+    with pytest.raises(TrainingError, match="empty"):
+        load_documents([])
+    small = tmp_path / "small.txt"
+    small.write_text("x = 1\ny = 2\n" * 20)
+    with pytest.raises(TrainingError, match="too small"):
+        train_pair("tiny", [small], tmp_path / "o", progress=False)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_sizes():
+    base = PRESETS["tiny"]
+    with pytest.raises(InvalidArgumentError, match="do not divide"):
+        PairPreset(**{**base.__dict__, "target": ModelSize(hidden=30, layers=1, heads=4, intermediate=64)})
+    with pytest.raises(InvalidArgumentError, match="even"):
+        ModelSize(hidden=18, layers=1, heads=2, intermediate=8).validate("draft")
+    with pytest.raises(InvalidArgumentError, match="vocab_size"):
+        PairPreset(**{**base.__dict__, "vocab_size": 100})
+    with pytest.raises(InvalidArgumentError, match="unknown preset"):
+        train_pair("huge", progress=False)
+
+
+def test_cli_errors(tmp_path, capsys):
+    rc = main(["train-pair", "--preset", "tiny", "--corpus", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")])
+    assert rc == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "o").mkdir()
+    rc = main(["train-pair", "--preset", "tiny", "--out", str(tmp_path / "o"), "--corpus", str(tmp_path / "nope.txt")])
+    assert rc == 2
+
+
+def test_default_corpus_is_stdlib_and_deterministic():
+    files = stdlib_files()
+    assert files and all(p.suffix == ".py" for p in files)
+    assert not any(set(p.parts) & {"test", "tests", "site-packages", "idle_test"} for p in files)
+    train, held, desc = load_corpus()
+    assert desc["source"] == "python-stdlib" and desc["files"] == desc["train_files"] + desc["heldout_files"]
+    assert desc["heldout_files"] >= 1 and len(held) > 0 and len(train) > 10 * len(held) / 2
+    assert load_corpus()[2]["sha256"] == desc["sha256"]
+
+
+def test_single_file_corpus_split(tmp_path):
+    f = tmp_path / "one.txt"
+    f.write_text("".join(f"line {i}\n" for i in range(1000)))
+    c = load_documents([f])
+    assert len(c.train_docs) == 1 and len(c.heldout_docs) == 1
+    assert c.train_docs[0] + c.heldout_docs[0] == f.read_text()
+
+
+def test_presets_are_sized_as_documented():
+    from transformers import LlamaForCausalLM
+
+    q = PRESETS["quick"]
+    tgt = q.target.llama_config(q.vocab_size, q.context)
+    drf = q.draft.llama_config(q.vocab_size, q.context)
+    n_t = sum(p.numel() for p in LlamaForCausalLM(tgt).parameters())
+    n_d = sum(p.numel() for p in LlamaForCausalLM(drf).parameters())
+    assert 3e6 <= n_t <= 8e6 and 0.3e6 <= n_d <= 1e6
+    for p in PRESETS.values():
+        assert p.target.layers > p.draft.layers or p.target.hidden > p.draft.hidden
