@@ -59,6 +59,8 @@ class BundleManifest:
     opset: int
     library_versions: dict[str, str]
     tokenizer_check: dict[str, Any] = field(default_factory=dict)
+    # Extra formats beside ONNX, e.g. {"xla": {"target": {...}, "draft": {...}}} (role/xla/xla.json).
+    formats: dict[str, Any] = field(default_factory=dict)
 
     @property
     def target(self) -> ModelManifest:
@@ -89,6 +91,7 @@ class BundleManifest:
                 opset=int(data["opset"]),
                 library_versions=dict(data.get("library_versions", {})),
                 tokenizer_check=dict(data.get("tokenizer_check", {})),
+                formats=dict(data.get("formats", {})),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise BundleError(f"{where}: manifest is malformed ({exc!r}); re-export the bundle with `edgespec export`") from exc

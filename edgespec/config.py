@@ -46,6 +46,7 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     max_gamma: int = 8  # upper bound for adaptive gamma (and the verify width a bundle was exported for)
+    vocab_size: int | None = None  # sample only ids < vocab_size (the ids a draft and target share)
 
     def __post_init__(self) -> None:
         m = self.max_new_tokens
@@ -61,6 +62,9 @@ class GenerationConfig:
         l = self.lenience
         if isinstance(l, bool) or not isinstance(l, (int, float)) or math.isnan(l) or not (0 < l <= 1):
             raise InvalidArgumentError(f"lenience must be in (0, 1] (1 = exact, Appendix A.5); got {l!r}")
+        v = self.vocab_size
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise InvalidArgumentError(f"vocab_size must be a positive integer or None; got {v!r}")
         for name in ("eos_token_ids", "stop_token_ids"):
             ids = getattr(self, name)
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):

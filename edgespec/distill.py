@@ -133,7 +133,7 @@ def load_target(folder: Path):
     if not getattr(tok, "is_fast", False):
         raise CheckpointError(f"the tokenizer of {folder} is not a fast (tokenizer.json) tokenizer; save one with the target")
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, dtype=torch.float32)
     except Exception as exc:
         raise CheckpointError(f"cannot load the target model in {folder}: {exc}") from exc
     model.eval()
@@ -314,7 +314,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     init_model = None
     if init is not None:
         check_hf_folder(Path(init), "init draft")
-        init_model = LlamaForCausalLM.from_pretrained(Path(init), use_safetensors=True, torch_dtype=torch.float32)
+        init_model = LlamaForCausalLM.from_pretrained(Path(init), use_safetensors=True, dtype=torch.float32)
         if _vocab(init_model) != vocab:
             raise InvalidArgumentError(f"the --init draft has {_vocab(init_model)} logits but the target {vocab}; "
                                        "they must share a tokenizer")

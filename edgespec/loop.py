@@ -96,6 +96,12 @@ class GenerationStats:
         return d
 
 
+class Block(list):
+    """A list of newly committed token ids, with ``sources`` (accepted/recovered/bonus/target)."""
+
+    sources: list[str]
+
+
 @dataclass
 class GenerationResult:
     tokens: list[int]          # new tokens only
@@ -111,12 +117,9 @@ def _check_prompt(prompt_ids: Sequence[int], config: GenerationConfig, target: B
     if prompt.min() < 0 or prompt.max() >= target.vocab_size:
         raise InvalidArgumentError(
             f"prompt token ids must be in [0, {target.vocab_size}); got min {prompt.min()}, max {prompt.max()}")
-    # The last committed token is never fed to the target, hence the -1.
-    if prompt.size + config.max_new_tokens - 1 > target.max_length:
+    if prompt.size > target.max_length:
         raise PromptTooLongError(
-            f"prompt ({prompt.size} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the model's "
-            f"{target.max_length} positions; shorten the prompt or lower max_new_tokens to at most "
-            f"{max(target.max_length - prompt.size + 1, 0)}")
+            f"the prompt has {prompt.size} tokens but the model takes at most {target.max_length}; shorten it")
     return prompt
 
 
@@ -179,8 +182,8 @@ def _plain_step(target: Backend, generated: list[int], config: GenerationConfig,
 
 
 def iter_generate(target: Backend, prompt_ids: Sequence[int], config: GenerationConfig,
-                  rng: np.random.Generator, draft=None) -> Generator[list[int], None, GenerationResult]:
-    """Generate, yielding each block of committed tokens as soon as it is committed.
+                  rng: np.random.Generator, draft=None) -> Generator[Block, None, GenerationResult]:
+    """Generate, yielding each Block of committed tokens as soon as it is committed.
 
     ``draft`` is a Backend (a draft model), a drafter object (``start``/``propose``/``rollback``),
     or None for plain autoregressive decoding. The generator's return value is the
@@ -191,8 +194,8 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     prompt = _check_prompt(prompt_ids, config, target)
     # A drafter has propose(); anything else is taken as a draft model's Backend.
     drafter = draft if draft is None or hasattr(draft, "propose") else ModelDrafter(draft)
-    vocab = target.vocab_size if drafter is None or drafter.vocab_size is None \
-        else min(target.vocab_size, drafter.vocab_size)
+    vocab = min(v for v in (target.vocab_size, config.vocab_size,
+                            None if drafter is None else drafter.vocab_size) if v is not None)
     stats = GenerationStats()
     out: list[int] = []
     sources: list[str] = []
@@ -200,11 +203,13 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
 
     def commit(tokens: list[int], kinds: list[str]) -> tuple[list[int], str | None]:
         """Append tokens, cutting at EOS, a stop id or max_new_tokens inside the block."""
-        block = []
+        block = Block()
+        block.sources = []
         for tok, kind in zip(tokens, kinds):
             out.append(tok)
             sources.append(kind)
             block.append(tok)
+            block.sources.append(kind)
             if tok in config.eos_token_ids:
                 return block, "eos"
             if tok in config.stop_token_ids:
@@ -219,6 +224,13 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     if drafter is not None:
         drafter.start(prompt)
     stats.prefill_s = time.perf_counter() - t0
+    # The last committed token is never fed to the target, hence the -1. (For an encoder-decoder
+    # the backend's length counts decoder positions only, so the prompt does not count here.)
+    if target.length + config.max_new_tokens - 1 > target.max_length:
+        room = target.max_length - target.length + 1
+        raise PromptTooLongError(
+            f"prompt ({prompt.size} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the model's "
+            f"{target.max_length} positions; shorten the prompt or lower max_new_tokens to at most {max(room, 0)}")
     stats.target_calls = 1
     first = sample_index(process_logits(logits, config.sampling, "target model")[0], rng.random())
     block, reason = commit([first], [TARGET])

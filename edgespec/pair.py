@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
-from .errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError
+from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
 
 FORMAT_VERSION = 1
 
@@ -77,7 +77,7 @@ class ModelSize:
             num_key_value_heads=self.heads if self.kv_heads is None else self.kv_heads,
             max_position_embeddings=context, rope_theta=10000.0, rms_norm_eps=1e-5,
             attention_dropout=0.0, tie_word_embeddings=False, initializer_range=0.02,
-            torch_dtype="float32", **extra,
+            **extra,
         )
 
 
@@ -392,15 +392,12 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
     resumes from ``<out>.work``. ``callback(role, step)`` runs after every training step (tests use
     it to interrupt a run).
     """
-    import numpy as np
-    import torch
-
     t_start = time.perf_counter()
     p = get_preset(preset)
     _check_int("seed", seed, 0)
     c = load_documents(corpus)
     if out is None:
-        dest = cache_root() / "pairs" / _pair_dir_name(p, c.sha256, seed)
+        dest = (cache_root() / "pairs" / _pair_dir_name(p, c.sha256, seed)).absolute()
         if is_complete(dest):
             meta = json.loads((dest / "pair.json").read_text())
             if _identity(p, seed, c.description) == meta.get("identity"):
@@ -419,7 +416,22 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
     dest = dest.absolute()
     work = dest.with_name(dest.name + ".work")
     ident = _identity(p, seed, c.description)
+    created = not work.exists()
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _train_pair_locked(p, c, dest, work, ident, seed, progress, callback, t_start)
+    except EdgeSpecError:
+        # a bad input found before any training state was saved: leave nothing behind
+        if created and work.is_dir() and not any(work.glob("*.state.pt")) and not any(work.glob("*/config.json")):
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, seed: int, progress: bool,
+                       callback, t_start: float) -> Path:
+    import numpy as np
+    import torch
+
     with _lock(work):
         ident_path = work / "identity.json"
         if ident_path.is_file():
@@ -470,8 +482,8 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
                 )
             if len(held_ids) < p.context:
                 raise TrainingError(
-                    f"the held-out part of the corpus ({c.description['heldout_files']} file(s), {len(held_ids)} tokens) is "
-                    f"shorter than one context of {p.context} tokens; pass more (or larger) files with --corpus"
+                    f"the corpus is too small: its held-out part ({c.description['heldout_files']} file(s), {len(held_ids)} "
+                    f"tokens) is shorter than one context of {p.context} tokens; pass more (or larger) files with --corpus"
                 )
             val_windows = heldout_windows(held_ids, p.context, p.eval_windows)
             special = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}

@@ -190,8 +190,13 @@ def _versions() -> dict[str, str]:
 
 def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None = None,
                   options: ExportOptions = ExportOptions(),
-                  progress: Callable[[str], None] | None = _stderr_progress) -> BundleManifest:
-    """Export ``target`` (and ``draft``) checkpoints into the bundle folder ``out``; return its manifest."""
+                  progress: Callable[[str], None] | None = _stderr_progress,
+                  xla: dict | None = None) -> BundleManifest:
+    """Export ``target`` (and ``draft``) checkpoints into the bundle folder ``out``; return its manifest.
+
+    ``xla``: keyword arguments of :func:`edgespec.export.xla.export_xla` (platforms, max_length,
+    verify_width, ...) to also write jax.export artifacts into ``<role>/xla`` of the same bundle.
+    """
     progress = progress or (lambda message: None)
     roles: dict[str, Checkpoint] = {contract.ROLE_TARGET: inspect_checkpoint(target, contract.ROLE_TARGET)}
     if draft is not None:
@@ -221,7 +226,17 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
             # Actual embedding rows (config vocab_size may be absent or stale).
             tok_record = shared_vocab(load_vocab(tmp / contract.ROLE_TARGET), load_vocab(tmp / contract.ROLE_DRAFT),
                                       models[contract.ROLE_TARGET].vocab_size, models[contract.ROLE_DRAFT].vocab_size)
+        formats = {}
+        if xla is not None:
+            from .xla import export_xla
+
+            formats["xla"] = {}
+            for role, ckpt in roles.items():
+                progress(f"{role}: lowering jax.export artifacts for {', '.join(xla.get('platforms', ('cpu',)))}")
+                m = export_xla(ckpt.path, tmp / role, **xla)
+                formats["xla"][role] = {k: m[k] for k in ("platforms", "max_length", "verify_width", "jax_version") if k in m}
         manifest = BundleManifest(
+            formats=formats,
             schema_version=contract.SCHEMA_VERSION,
             models=models,
             shared_vocab_size=tok_record.get("shared_vocab_size", models[contract.ROLE_TARGET].vocab_size),

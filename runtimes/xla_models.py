@@ -113,10 +113,6 @@ class ModelSpec:
     rel_max_distance: int = 128
     special_tokens: dict = field(default_factory=dict, compare=False, hash=False)
 
-    @property
-    def kv_shape_per_len(self) -> tuple[int, int, int, int]:
-        return (self.n_layers, 1, self.kv_heads, self.head_dim)
-
 
 def _rope_inv_freq(cfg: dict) -> tuple[float, ...]:
     heads = cfg["num_attention_heads"]
@@ -375,7 +371,7 @@ def gpt2_step(spec: ModelSpec, p, kv, ids, pos):
     K, V = kv
     k = ids.shape[0]
     M = K.shape[3]
-    H, dh, d = spec.n_heads, spec.head_dim, spec.d_model
+    H, dh = spec.n_heads, spec.head_dim
     act = _act(spec.act)
     positions = pos + jnp.arange(k, dtype=jnp.int32)
     x = p["wte.weight"][ids] + p["wpe.weight"][positions]

@@ -164,7 +164,7 @@ def test_bad_corpus(tmp_path):
     small.write_text("x = 1\ny = 2\n" * 20)
     with pytest.raises(TrainingError, match="too small"):
         train_pair("tiny", [small], tmp_path / "o", progress=False)
-    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o").exists() and not (tmp_path / "o.work").exists()
 
 
 def test_bad_sizes():

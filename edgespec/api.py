@@ -1,0 +1,253 @@
+"""``edgespec.load(bundle)``: the Python entry point for generation from an exported bundle.
+
+Needs only numpy, onnxruntime and tokenizers (no torch, no transformers)::
+
+    gen = edgespec.load("bundles/llama", providers=["cpu"], threads=4)
+    out = gen.generate("The quick brown fox", max_new_tokens=32, temperature=0, seed=0)
+    print(out.text, out.stats.to_dict())
+    for piece in gen.generate("Hello", stream=True):   # pieces as they are committed
+        print(piece, end="", flush=True)
+
+An ``Engine`` owns one sequence's KV caches: it is not safe to share across threads.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from . import contract
+from .bundle import BundleManifest, load_bundle
+from .config import GenerationConfig, SamplingConfig
+from .errors import BundleError, InvalidArgumentError, PromptTooLongError
+
+DEFAULT_MAX_GAMMA = 8
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """One finished generation: new text and ids, per-token sources, why it stopped, statistics."""
+
+    text: str
+    ids: list[int]
+    sources: list[str]  # per token: accepted / recovered / bonus / target
+    finish_reason: str  # eos / stop / length
+    stats: object  # edgespec.loop.GenerationStats
+    prompt_ids: list[int]
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """Tokens committed in one step and the text they completed (``str(chunk)`` is the text)."""
+
+    text: str
+    ids: list[int]
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class _Detokenizer:
+    """Incremental decoding: emit the text that the newest tokens added, holding back an
+    incomplete UTF-8 sequence (byte-level BPE splits characters across tokens)."""
+
+    def __init__(self, tokenizer):
+        self._tok = tokenizer
+        self.ids: list[int] = []
+        self._emitted = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self._tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self._emitted = text[self._emitted:], len(text)
+        return piece
+
+    def text(self) -> str:
+        return self._tok.decode(self.ids, skip_special_tokens=True)
+
+
+class TextStream:
+    """Iterator over ``StreamChunk`` s as tokens are committed; ``.result`` once it is exhausted."""
+
+    def __init__(self, blocks, detok: _Detokenizer, finish):
+        self._blocks, self._detok, self._finish = blocks, detok, finish
+        self._result: GenerationOutput | None = None
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        while True:
+            try:
+                block = next(self._blocks)
+            except StopIteration as stop:
+                self._result = self._finish(stop.value)
+                return
+            yield StreamChunk(self._detok.push(block), list(block))
+
+    @property
+    def result(self) -> GenerationOutput:
+        if self._result is None:
+            raise InvalidArgumentError("the stream is not finished: iterate over it to the end before reading .result")
+        return self._result
+
+
+class Engine:
+    """Target (and optional draft) backends of one bundle plus its tokenizer."""
+
+    def __init__(self, root: Path, manifest: BundleManifest, target, draft, tokenizer):
+        self.root, self.manifest = root, manifest
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft is not None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _prompt_ids(self, prompt, use_draft: bool) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidArgumentError("the prompt is empty; pass some text (or a non-empty list of token ids)")
+            ids = self.encode(prompt)
+            if not ids:
+                raise InvalidArgumentError(f"the prompt {prompt[:40]!r} encodes to no tokens with this bundle's tokenizer; use other text")
+        else:
+            try:
+                arr = np.asarray(prompt)
+            except Exception as exc:
+                raise InvalidArgumentError(f"prompt must be a string or a sequence of token ids; got {type(prompt).__name__}") from exc
+            if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+                raise InvalidArgumentError("prompt ids must be a non-empty 1-D sequence of integers")
+            ids = [int(i) for i in arr]
+        limit = self.target.vocab_size
+        if use_draft:
+            limit = min(limit, self.draft.vocab_size)
+        bad = [i for i in ids if not 0 <= i < limit]
+        if bad:
+            raise InvalidArgumentError(f"prompt token ids must be in [0, {limit}); got {bad[:5]}")
+        return ids
+
+    def _check_lengths(self, n_prompt: int, max_new: int, use_draft: bool) -> None:
+        seq2seq = self.manifest.target.kind == contract.KIND_SEQ2SEQ
+        limit = self.target.max_length
+        if seq2seq:
+            if n_prompt > limit:
+                raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most {limit}; shorten it")
+        elif n_prompt + max_new - 1 > limit:
+            raise PromptTooLongError(
+                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the target's {limit} positions; "
+                f"shorten the prompt or lower max_new_tokens to at most {max(limit - n_prompt + 1, 0)}"
+            )
+        if use_draft and n_prompt > self.draft.max_length:
+            raise PromptTooLongError(
+                f"prompt has {n_prompt} tokens but the draft model has only {self.draft.max_length} positions; "
+                "shorten the prompt or pass use_draft=False"
+            )
+
+    def generate(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, gamma: int | None = 4, lenience: float = 1.0, seed: int | None = None,
+                 stream: bool = False, use_draft: bool = True, stop_token_ids: Sequence[int] = ()):
+        """Generate from text or token ids.
+
+        ``temperature=0`` is greedy; ``gamma=None`` lets edgespec choose the draft length per round;
+        ``use_draft=False`` (or a single-model bundle) decodes plainly with the target.
+        Returns a GenerationOutput, or with ``stream=True`` a TextStream of StreamChunks whose
+        ``.result`` is the GenerationOutput once the stream is exhausted.
+        """
+        from .loop import iter_generate
+
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise InvalidArgumentError(f"seed must be a non-negative integer or None; got {seed!r}")
+        use_draft = bool(use_draft) and self.draft is not None
+        max_gamma = max(DEFAULT_MAX_GAMMA, gamma) if isinstance(gamma, int) and not isinstance(gamma, bool) else DEFAULT_MAX_GAMMA
+        config = GenerationConfig(
+            max_new_tokens=max_new_tokens,
+            sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
+            gamma=gamma,
+            lenience=lenience,
+            eos_token_ids=tuple(self.manifest.target.eos_token_ids),
+            stop_token_ids=tuple(int(s) for s in stop_token_ids),
+            max_gamma=max_gamma,
+            # Only the ids the two tokenizers share are compared (padding rows beyond them are
+            # dropped); plain decoding through this engine samples the same ids, so both agree.
+            vocab_size=self.manifest.shared_vocab_size if self.draft is not None else None,
+        )
+        ids = self._prompt_ids(prompt_or_ids, use_draft)
+        self._check_lengths(len(ids), max_new_tokens, use_draft)
+        rng = np.random.default_rng(seed)
+        blocks = iter_generate(self.target, ids, config, rng, draft=self.draft if use_draft else None)
+        detok = _Detokenizer(self.tokenizer)
+
+        def finish(result) -> GenerationOutput:
+            return GenerationOutput(text=self.decode(result.tokens), ids=list(result.tokens), sources=list(result.sources),
+                                    finish_reason=result.finish_reason, stats=result.stats, prompt_ids=ids)
+
+        stream_obj = TextStream(blocks, detok, finish)
+        if stream:
+            return stream_obj
+        for _ in stream_obj:
+            pass
+        return stream_obj.result
+
+    def close(self) -> None:
+        self.target.free()
+        if self.draft is not None:
+            self.draft.free()
+
+
+def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,
+         threads: int = 0, draft_threads: int | None = None, spinning: bool | None = None,
+         draft_spinning: bool | None = None, load_draft: bool = True, runtime: str = "onnx",
+         platform: str | None = None) -> Engine:
+    """Open a bundle: verify it, build ONNX Runtime sessions for the target (and the draft).
+
+    ``providers`` / ``draft_providers``: ordered execution providers (``cpu``, ``cuda``, ``coreml``,
+    ``openvino``, ``dml``, ``qnn``, ``xnnpack``, ... or ORT names); an unavailable one raises
+    ProviderError, there is no silent fallback. The draft defaults to the target's settings.
+    ``threads``: intra-op threads (0 = ORT default); ``spinning``: thread spin-waiting on/off.
+    ``runtime="xla"`` runs the bundle's jax.export artifacts instead (``edgespec export --format
+    onnx,xla``) on ``platform`` (cpu, cuda, tpu; default: JAX's default device).
+    """
+    from tokenizers import Tokenizer
+
+    from .runtimes.onnx_backend import SessionConfig, open_backend, resolve_providers
+
+    root = Path(bundle)
+    manifest = load_bundle(root)
+    target_cfg = SessionConfig(providers=resolve_providers(providers), intra_op_threads=threads, spinning=spinning)
+    draft_cfg = SessionConfig(
+        providers=resolve_providers(providers if draft_providers is None else draft_providers),
+        intra_op_threads=threads if draft_threads is None else draft_threads,
+        spinning=spinning if draft_spinning is None else draft_spinning,
+    )
+    tm = manifest.target
+    tok_path = root / tm.path / contract.TOKENIZER_FILE
+    try:
+        tokenizer = Tokenizer.from_file(str(tok_path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+        raise BundleError(f"{tok_path} cannot be read ({exc}); re-export the bundle") from exc
+    if runtime == "onnx":
+        def open_model(m, cfg):
+            return open_backend(root / m.path, m, cfg)
+    elif runtime == "xla":
+        from .runtimes.xla_backend import XlaBackend
+
+        if "xla" not in manifest.formats:
+            raise BundleError(f"{root} has no XLA artifacts; re-export it with `edgespec export ... --format onnx,xla`")
+
+        def open_model(m, cfg):
+            return XlaBackend.from_dir(root / m.path, platform=platform)
+    else:
+        raise InvalidArgumentError(f"runtime must be 'onnx' or 'xla'; got {runtime!r}")
+    target = open_model(tm, target_cfg)
+    draft = None
+    if load_draft and manifest.draft is not None:
+        draft = open_model(manifest.draft, draft_cfg)
+    return Engine(root, manifest, target, draft, tokenizer)

@@ -1,0 +1,151 @@
+"""``edgespec bench BUNDLE``: alpha, c, tokens per round, tokens/s plain vs speculative (same run,
+interleaved, warm-up discarded, medians and IQR), Theorem 3.8 next to the measured speedup, and
+target/draft bytes read per generated token."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import contract
+from .config import SamplingConfig
+from .errors import InvalidArgumentError
+from .measure import ReadCounter, Setting, hardware_counters_note, run_setting
+from .prompts import CODE_PROMPTS
+from .report import format_table, machine_description, plot, write_json
+
+
+@dataclass
+class OpenedBundle:
+    """A bundle opened for measurement: backends wrapped in read counters, and its tokenizer."""
+
+    target: ReadCounter
+    draft: ReadCounter | None
+    tokenizer: object
+    manifest: object
+    runtime: str
+
+
+def kv_bytes_per_token(model) -> int:
+    """K and V for every layer, for one position, in the cache's dtype."""
+    width = 2 if model.dtype == "fp16" else 4
+    return 2 * model.num_layers * model.num_kv_heads * model.head_size * width
+
+
+def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), threads: int = 0,
+                draft_threads: int | None = None, spinning: bool | None = None) -> OpenedBundle:
+    from .bundle import load_bundle
+
+    manifest = load_bundle(Path(bundle))
+    from .api import load
+
+    eng = load(bundle, providers=providers, threads=threads, draft_threads=draft_threads, spinning=spinning,
+               runtime=runtime)
+    target, draft, tokenizer = eng.target, eng.draft, eng.tokenizer
+    t = manifest.target
+    wrap_t = ReadCounter(target, int(t.parameter_bytes.get("per_forward", t.parameter_bytes.get("total", 0))),
+                         kv_bytes_per_token(t))
+    wrap_d = None
+    if draft is not None:
+        d = manifest.draft
+        wrap_d = ReadCounter(draft, int(d.parameter_bytes.get("per_forward", d.parameter_bytes.get("total", 0))),
+                             kv_bytes_per_token(d))
+    return OpenedBundle(wrap_t, wrap_d, tokenizer, manifest, runtime)
+
+
+def _parse_list(text: str, cast, name: str) -> list:
+    try:
+        return [cast(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidArgumentError(f"--{name} takes a comma-separated list; got {text!r}") from None
+
+
+def _gamma(x: str):
+    return None if x.strip() in ("auto", "adaptive") else int(x)
+
+
+def build_grid(gammas, temperatures, top_k: int, top_p: float, lenience, drafts) -> list[Setting]:
+    grid = []
+    for draft in drafts:
+        for t in temperatures:
+            sampling = SamplingConfig(t, top_k, top_p)
+            for g in gammas:
+                for l in lenience:
+                    grid.append(Setting(g, sampling, l, draft))
+    return grid
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bundle", help="bundle folder written by `edgespec export` (target + draft)")
+    p.add_argument("--runtime", choices=("onnx", "xla"), default="onnx")
+    p.add_argument("--gammas", default="1,2,4,6,8,auto", help="comma list; 'auto' = adaptive (default 1,2,4,6,8,auto)")
+    p.add_argument("--temperatures", default="0,1", help="comma list; 0 = greedy (default 0,1)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--lenience", default="1", help="comma list of l in (0, 1] (Appendix A.5; 1 = exact)")
+    p.add_argument("--draft", default="model", help="comma list of drafters: model, ngram (default model)")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="text file, prompts separated by lines holding only '---' (default: built-in held-out code prompts)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=5, help="measured repeats after one warm-up (default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--provider", default="cpu", help="execution providers, comma list in priority order")
+    p.add_argument("--threads", type=int, default=0, help="target intra-op threads (0 = ORT default)")
+    p.add_argument("--draft-threads", type=int, default=None)
+    p.add_argument("--spin", choices=("on", "off", "default"), default="off", help="ORT thread spin-waiting")
+    p.add_argument("--out", type=Path, default=None, help="folder for bench.json and PNG plots")
+    p.add_argument("--quiet", action="store_true")
+
+
+def read_prompts(path: Path | None) -> list[str]:
+    if path is None:
+        return list(CODE_PROMPTS)
+    if not path.is_file():
+        raise InvalidArgumentError(f"--prompts {path} is not a file; give a text file with prompts separated by '---' lines")
+    parts = [p.strip("\n") for p in path.read_text().split("\n---\n")]
+    parts = [p for p in parts if p.strip()]
+    if not parts:
+        raise InvalidArgumentError(f"--prompts {path} holds no prompt")
+    return parts
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1 or args.max_new_tokens < 1:
+        raise InvalidArgumentError("--repeats and --max-new-tokens must be >= 1")
+    grid = build_grid(_parse_list(args.gammas, _gamma, "gammas"), _parse_list(args.temperatures, float, "temperatures"),
+                      args.top_k, args.top_p, _parse_list(args.lenience, float, "lenience"),
+                      _parse_list(args.draft, str, "draft"))
+    for s in grid:
+        if s.draft not in ("model", "ngram"):
+            raise InvalidArgumentError(f"--draft takes 'model' and/or 'ngram'; got {s.draft!r}")
+    spin = {"on": True, "off": False, "default": None}[args.spin]
+    ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), args.threads, args.draft_threads, spin)
+    if ob.draft is None and any(s.draft == "model" for s in grid):
+        raise InvalidArgumentError(f"{args.bundle} has no draft model; export one with --draft, or use --draft ngram")
+    prompts = [ob.tokenizer.encode(p).ids for p in read_prompts(args.prompts)]
+    log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+    rows = []
+    t0 = time.perf_counter()
+    for s in grid:
+        r = run_setting(ob.target, ob.draft, prompts, s, args.max_new_tokens, args.repeats, warmup=1,
+                        eos_token_ids=tuple(ob.manifest.target.eos_token_ids), seed=args.seed, progress=log,
+                        vocab_size=ob.manifest.shared_vocab_size)
+        rows.append(r.summary())
+        log(f"{s.label}: speedup {rows[-1]['speedup']:.2f}x (Thm 3.8 {rows[-1]['predicted_speedup']:.2f}x)")
+    print(format_table(rows))
+    note = hardware_counters_note()
+    print(note)
+    payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
+               "providers": args.provider, "threads": args.threads, "draft_threads": args.draft_threads,
+               "spin": args.spin, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
+               "hardware_counters": note, "results": rows,
+               "command": "edgespec bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "edgespec bench"}
+    if args.out is not None:
+        write_json(args.out / "bench.json", payload)
+        written = plot(rows, args.out)
+        print(f"wrote {args.out / 'bench.json'}" + "".join(f", {p}" for p in written))
+    return 0

@@ -1,0 +1,128 @@
+"""``edgespec demo``: the whole product on the default pair. Train (or reuse) the quick Llama pair,
+export it with the real exporter, stream a speculative generation, then measure plain against
+speculative decoding side by side and print alpha, c, tokens per target call, tokens/s, the
+speedup next to Theorem 3.8, and the memory reads per token."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from . import theory
+from .config import SamplingConfig
+from .errors import BundleError, InvalidArgumentError
+from .measure import Setting, hardware_counters_note, run_setting
+from .prompts import CODE_PROMPTS
+from .report import machine_description
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="quick", help="pair preset: quick (default, minutes) or bench (an hour+)")
+    p.add_argument("--corpus", nargs="*", type=Path, default=None,
+                   help="text files to train on (default: this Python's standard library source)")
+    p.add_argument("--gamma", default="4", help="draft tokens per round, or 'auto' (adaptive)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=3, help="measured repeats after one warm-up (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="ORT intra-op threads per model (default 1)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def ensure_bundle(pair_dir: Path, log) -> Path:
+    """Export the pair once into <pair>/bundle; reuse it while it loads."""
+    from .bundle import load_bundle
+
+    bundle = pair_dir / "bundle"
+    if bundle.exists():
+        try:
+            load_bundle(bundle)
+            log(f"reusing the exported bundle in {bundle}")
+            return bundle
+        except BundleError as exc:
+            log(f"re-exporting: {exc}")
+    from .export.pipeline import ExportOptions, export_bundle
+
+    export_bundle(pair_dir / "target", bundle, draft=pair_dir / "draft",
+                  options=ExportOptions(overwrite=bundle.exists()), progress=log)
+    return bundle
+
+
+def _fmt(x: float, spec: str = ".3f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .api import load
+    from .bench import open_bundle
+    from .pair import train_pair
+
+    def log(msg: str) -> None:
+        print(f"[demo] {msg}", file=sys.stderr, flush=True)
+
+    gamma = None if args.gamma in ("auto", "adaptive") else int(args.gamma)
+    t_all = time.perf_counter()
+    log(f"step 1/4: the {args.preset} pair (trained once, then cached)")
+    pair_dir = train_pair(args.preset, args.corpus, seed=args.seed, progress=True)
+    log("step 2/4: export to ONNX with KV-cache IO, validated against PyTorch")
+    bundle = ensure_bundle(pair_dir, log)
+
+    log("step 3/4: a greedy speculative generation, streamed as tokens are committed")
+    eng = load(bundle, threads=args.threads, spinning=False)
+    room = eng.manifest.target.max_positions - args.max_new_tokens
+    if room < 1:
+        raise InvalidArgumentError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
+                                   f"model's {eng.manifest.target.max_positions} positions; lower it")
+
+    def fit(text: str) -> list[int]:  # keep the prompt's tail when the model's positions are few
+        return eng.encode(text)[-room:]
+
+    prompt = eng.decode(fit(CODE_PROMPTS[0]))
+    sys.stdout.write(prompt)
+    stream = eng.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.0, gamma=gamma,
+                          seed=args.seed, stream=True)
+    for chunk in stream:
+        sys.stdout.write(str(chunk))
+        sys.stdout.flush()
+    res = stream.result
+    print(f"\n--- {len(res.ids)} tokens, {res.stats.target_calls} target calls "
+          f"({res.stats.tokens_per_target_call:.2f} tokens per target call), finish: {res.finish_reason}\n")
+    eng.close()
+
+    log(f"step 4/4: plain vs speculative, interleaved, {args.repeats} repeats after a warm-up")
+    ob = open_bundle(bundle, threads=args.threads, spinning=False)
+    prompts = [fit(p) for p in CODE_PROMPTS[:4]]
+    eos = tuple(ob.manifest.target.eos_token_ids)
+    rows = []
+    for temperature in (0.0, 1.0):
+        setting = Setting(gamma, SamplingConfig(temperature))
+        r = run_setting(ob.target, ob.draft, prompts, setting, args.max_new_tokens, args.repeats,
+                        eos_token_ids=eos, seed=args.seed, progress=log,
+                        vocab_size=ob.manifest.shared_vocab_size)
+        rows.append(r.summary())
+    m = ob.manifest
+    mach = machine_description()
+    print(f"edgespec demo: {args.preset} pair in {pair_dir}")
+    print(f"machine: {mach.get('cpu_model', mach['processor'])}, {mach['cpu_count']} cores, "
+          f"onnxruntime {mach.get('onnxruntime', '?')}, {args.threads} thread(s) per model")
+    print(f"target: {m.target.architecture}, {m.target.num_layers} layers, "
+          f"{m.target.parameter_bytes.get('per_forward', 0) / 1e6:.1f} MB weights read per forward; "
+          f"draft: {m.draft.num_layers} layers, {m.draft.parameter_bytes.get('per_forward', 0) / 1e6:.1f} MB")
+    for row in rows:
+        g = row["gamma"] if row["gamma"] is not None else f"auto (mean {row['mean_gamma']:.1f})"
+        print(f"\n  temperature {row['temperature']:g}, gamma {g}:")
+        print(f"    alpha (E[sum min(p, q)])       {_fmt(row['alpha'])}")
+        print(f"    c (draft step / target step)   {_fmt(row['c'])}")
+        print(f"    tokens per round               {_fmt(row['tokens_per_round'], '.2f')} "
+              f"(theory (1 - a^(g+1))/(1 - a): {_fmt(row['expected_tokens_per_round'], '.2f')})")
+        print(f"    tokens/s plain                 {_fmt(row['plain_tokens_per_s'], '.1f')}")
+        print(f"    tokens/s speculative           {_fmt(row['spec_tokens_per_s'], '.1f')}")
+        print(f"    speedup (median, same run)     {_fmt(row['speedup'], '.2f')}x   "
+              f"Theorem 3.8 predicts {_fmt(row['predicted_speedup'], '.2f')}x")
+        if "target_read_reduction" in row:
+            print(f"    target bytes read per token    {row['target_bytes_per_token_plain'] / 1e6:.2f} MB plain -> "
+                  f"{row['target_bytes_per_token_spec'] / 1e6:.2f} MB speculative "
+                  f"({row['target_read_reduction']:.2f}x fewer; draft adds {row['draft_bytes_per_token_spec'] / 1e6:.2f} MB)")
+    print(f"\n{hardware_counters_note()}")
+    print(f"total demo time {time.perf_counter() - t_all:.0f} s. Next: `edgespec bench {bundle}` for the full grid.")
+    return 0

@@ -1,0 +1,96 @@
+"""``edgespec generate BUNDLE --prompt ...``: stream text from a bundle (torch is never imported)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import InvalidArgumentError
+
+# --show-drafts marks: ANSI colors on a terminal, brackets otherwise.
+_ANSI = {"accepted": "\x1b[32m", "recovered": "\x1b[33m", "bonus": "\x1b[36m"}
+_BRACKETS = {"accepted": ("[", "]"), "recovered": ("{", "}"), "bonus": ("<", ">")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bundle", help="bundle folder written by `edgespec export`")
+    parser.add_argument("--prompt", required=True, help="prompt text")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    parser.add_argument("--top-k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    parser.add_argument("--gamma", default="4", help="draft tokens per round, or 'auto' (default 4)")
+    parser.add_argument("--lenience", type=float, default=1.0, help="1.0 = exact (Appendix A.5 of the paper)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--no-draft", action="store_true", help="plain decoding with the target only")
+    parser.add_argument("--provider", default="cpu", help="comma-separated execution providers for the target, in order (default cpu)")
+    parser.add_argument("--draft-provider", default=None, help="providers for the draft (default: --provider)")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads for the target (0 = ORT default)")
+    parser.add_argument("--draft-threads", type=int, default=None, help="intra-op threads for the draft (default: --threads)")
+    parser.add_argument("--no-spin", action="store_true", help="disable ONNX Runtime thread spin-waiting")
+    parser.add_argument("--runtime", choices=("onnx", "xla"), default="onnx",
+                        help="onnx (default) or xla (jax.export artifacts: export with --format onnx,xla)")
+    parser.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, tpu (default: JAX's default)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: text, ids, sources, statistics")
+    parser.add_argument("--show-drafts", action="store_true",
+                        help="mark tokens: accepted draft tokens [x] (green), recovered {x} (yellow), bonus <x> (cyan); "
+                             "printed when generation ends")
+
+
+def _gamma(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgumentError(f"--gamma must be an integer >= 1 or 'auto'; got {value!r}") from None
+
+
+def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> str:
+    """Text with every token marked by its source (target/plain tokens unmarked)."""
+    parts, prev = [], ""
+    for i, src in enumerate(sources):
+        # the token's text is what it adds to the decoded prefix
+        text = engine.decode(ids[: i + 1])
+        piece, prev = text[len(prev):], text
+        if src in _ANSI and piece:
+            lead = piece[: len(piece) - len(piece.lstrip())]
+            body = piece[len(lead):]
+            piece = lead + (f"{_ANSI[src]}{body}\x1b[0m" if color else f"{_BRACKETS[src][0]}{body}{_BRACKETS[src][1]}")
+        parts.append(piece)
+    return "".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .api import load
+
+    spin = False if args.no_spin else None
+    engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=args.threads,
+                  draft_threads=args.draft_threads, spinning=spin, load_draft=not args.no_draft,
+                  runtime=args.runtime, platform=args.platform)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  gamma=_gamma(args.gamma), lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft)
+    if args.json or args.show_drafts:
+        out = engine.generate(args.prompt, **kwargs)
+        if args.json:
+            print(json.dumps({"text": out.text, "prompt_ids": out.prompt_ids, "ids": out.ids, "sources": out.sources,
+                              "finish_reason": out.finish_reason, "speculative": engine.has_draft and not args.no_draft,
+                              "stats": out.stats.to_dict()}))
+        else:
+            print(render_marked(engine, out.ids, out.sources, sys.stdout.isatty()))
+            _summary(out)
+        return 0
+    stream = engine.generate(args.prompt, stream=True, **kwargs)
+    for chunk in stream:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    _summary(stream.result)
+    return 0
+
+
+def _summary(out) -> None:
+    s = out.stats.to_dict()
+    keys = ("acceptance_rate", "tokens_per_target_call", "target_calls", "draft_calls")
+    info = ", ".join(f"{k}={s[k]:.3g}" if isinstance(s.get(k), float) else f"{k}={s.get(k)}" for k in keys if k in s)
+    print(f"[{len(out.ids)} tokens, finish={out.finish_reason}; {info}]", file=sys.stderr)

@@ -1,0 +1,212 @@
+"""Side-by-side measurement of plain and speculative decoding: tokens/s medians over repeated,
+interleaved runs, measured alpha and c, the Theorem 3.8 prediction, and the bytes each model
+must read per generated token (section 3.4)."""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from . import theory
+from .config import GenerationConfig, SamplingConfig
+from .loop import GenerationStats, generate
+
+
+class ReadCounter:
+    """A Backend proxy that counts the bytes a forward call must read from memory: every
+    weight once per call, plus the KV cache already held (its real length at that call).
+    Per token, plain decoding pays this once per token; speculation once per round."""
+
+    def __init__(self, backend, weight_bytes: int, kv_bytes_per_token: int):
+        self.backend = backend
+        self.vocab_size, self.max_length = backend.vocab_size, backend.max_length
+        self.weight_bytes, self.kv_bytes_per_token = weight_bytes, kv_bytes_per_token
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls = self.weight_read = self.kv_read = 0
+
+    @property
+    def length(self) -> int:
+        return self.backend.length
+
+    def _count(self, past: int) -> None:
+        self.calls += 1
+        self.weight_read += self.weight_bytes
+        self.kv_read += self.kv_bytes_per_token * past
+
+    def prefill(self, ids):
+        self._count(0)
+        return self.backend.prefill(ids)
+
+    def extend(self, ids):
+        self._count(self.backend.length)
+        return self.backend.extend(ids)
+
+    def rewind_to(self, n: int) -> None:
+        self.backend.rewind_to(n)
+
+    def free(self) -> None:
+        self.backend.free()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One cell of the benchmark grid. gamma None = adaptive; draft 'model' or 'ngram'."""
+
+    gamma: int | None
+    sampling: SamplingConfig
+    lenience: float = 1.0
+    draft: str = "model"
+
+    @property
+    def label(self) -> str:
+        s = self.sampling
+        g = "auto" if self.gamma is None else str(self.gamma)
+        extra = (f" top_k={s.top_k}" if s.top_k else "") + (f" top_p={s.top_p}" if s.top_p < 1 else "")
+        extra += f" l={self.lenience}" if self.lenience < 1 else ""
+        return f"{self.draft} gamma={g} T={s.temperature:g}{extra}"
+
+
+@dataclass
+class SettingResult:
+    setting: Setting
+    plain_tps: list[float] = field(default_factory=list)      # per repeat: tokens/s over all prompts
+    spec_tps: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)         # per repeat: spec / plain, same run
+    plain_ttft: list[float] = field(default_factory=list)
+    spec_ttft: list[float] = field(default_factory=list)
+    stats: list[GenerationStats] = field(default_factory=list)  # speculative runs, warm-up excluded
+    reads: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        beta_sum = sum(s.beta_sum for s in self.stats)
+        beta_n = sum(s.beta_count for s in self.stats)
+        alpha = beta_sum / beta_n if beta_n else float("nan")
+        draft_calls = sum(s.draft_calls for s in self.stats)
+        steps = sum(s.target_calls - 1 for s in self.stats)
+        draft_s, target_s = sum(s.draft_s for s in self.stats), sum(s.target_s for s in self.stats)
+        c = (draft_s / draft_calls) / (target_s / steps) if draft_calls and steps and target_s > 0 else float("nan")
+        rounds = sum(s.rounds for s in self.stats)
+        drafted = sum(s.drafted for s in self.stats)
+        mean_gamma = drafted / rounds if rounds else 0.0
+        hist: list[int] = []
+        for s in self.stats:
+            for n, k in enumerate(s.accepted_hist):
+                hist.extend([0] * (n + 1 - len(hist)))
+                hist[n] += k
+        tokens_per_round = sum(s.round_tokens for s in self.stats) / rounds if rounds else float("nan")
+        g = self.setting.gamma if self.setting.gamma is not None else max(1, round(mean_gamma))
+        ok = 0 <= alpha <= 1 and c == c
+        return {
+            "setting": self.setting.label,
+            "gamma": self.setting.gamma, "mean_gamma": mean_gamma,
+            "temperature": self.setting.sampling.temperature, "top_k": self.setting.sampling.top_k,
+            "top_p": self.setting.sampling.top_p, "lenience": self.setting.lenience, "draft": self.setting.draft,
+            "alpha": alpha, "acceptance_rate": sum(s.accepted for s in self.stats) / beta_n if beta_n else float("nan"),
+            "c": c,
+            "tokens_per_round": tokens_per_round,
+            "expected_tokens_per_round": theory.expected_tokens(alpha, g) if ok else float("nan"),
+            "accepted_hist": hist,
+            "plain_tokens_per_s": _med(self.plain_tps), "spec_tokens_per_s": _med(self.spec_tps),
+            "plain_tokens_per_s_all": self.plain_tps, "spec_tokens_per_s_all": self.spec_tps,
+            "speedup": _med(self.ratios), "speedup_all": self.ratios,
+            "speedup_iqr": _iqr(self.ratios),
+            "predicted_speedup": theory.speedup(alpha, g, c) if ok else float("nan"),
+            "plain_ttft_s": _med(self.plain_ttft), "spec_ttft_s": _med(self.spec_ttft),
+            **self.reads,
+        }
+
+
+def _med(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _iqr(xs: Sequence[float]) -> list[float]:
+    if len(xs) < 2:
+        return [float("nan"), float("nan")]
+    q = statistics.quantiles(xs, n=4)
+    return [q[0], q[2]]
+
+
+def run_setting(target: ReadCounter, draft: ReadCounter | None, prompts: Sequence[Sequence[int]],
+                setting: Setting, max_new_tokens: int, repeats: int, warmup: int = 1,
+                eos_token_ids: tuple[int, ...] = (), seed: int = 0,
+                progress: Callable[[str], None] | None = None, vocab_size: int | None = None) -> SettingResult:
+    """Interleave plain and speculative runs of every prompt, ``warmup`` rounds discarded."""
+    from .drafters import NgramDrafter
+
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=setting.sampling, gamma=setting.gamma,
+                           lenience=setting.lenience, eos_token_ids=eos_token_ids,
+                           max_gamma=max(8, setting.gamma or 8), vocab_size=vocab_size)
+    res = SettingResult(setting)
+    plain_reads = [0, 0, 0]   # target bytes, tokens
+    spec_reads = [0, 0, 0, 0]  # target bytes, draft bytes, tokens
+    for rep in range(warmup + repeats):
+        keep = rep >= warmup
+        totals = {"plain": [0, 0.0, 0.0], "spec": [0, 0.0, 0.0]}  # tokens, seconds, ttft
+        for i, prompt in enumerate(prompts):
+            for mode in ("plain", "spec"):  # same prompt, same seed, back to back
+                rng = np.random.default_rng(seed + 1000 * rep + i)
+                drafter = None if mode == "plain" else (NgramDrafter() if setting.draft == "ngram" else draft)
+                target.reset()
+                if draft is not None:
+                    draft.reset()
+                t0 = time.perf_counter()
+                r = generate(target, prompt, cfg, rng, drafter)
+                dt = time.perf_counter() - t0
+                tot = totals[mode]
+                tot[0] += len(r.tokens)
+                tot[1] += dt
+                tot[2] += r.stats.ttft_s
+                if keep:
+                    if mode == "plain":
+                        plain_reads[0] += target.weight_read + target.kv_read
+                        plain_reads[1] += len(r.tokens)
+                    else:
+                        res.stats.append(r.stats)
+                        spec_reads[0] += target.weight_read + target.kv_read
+                        spec_reads[1] += (draft.weight_read + draft.kv_read) if drafter is draft and draft else 0
+                        spec_reads[2] += len(r.tokens)
+        if keep:
+            p_tps = totals["plain"][0] / totals["plain"][1]
+            s_tps = totals["spec"][0] / totals["spec"][1]
+            res.plain_tps.append(p_tps)
+            res.spec_tps.append(s_tps)
+            res.ratios.append(s_tps / p_tps)
+            res.plain_ttft.append(totals["plain"][2] / len(prompts))
+            res.spec_ttft.append(totals["spec"][2] / len(prompts))
+        if progress is not None:
+            progress(f"{setting.label}: repeat {rep + 1}/{warmup + repeats}" + ("" if keep else " (warm-up)"))
+    if plain_reads[1] and spec_reads[2]:
+        t_plain = plain_reads[0] / plain_reads[1]
+        t_spec = spec_reads[0] / spec_reads[2]
+        d_spec = spec_reads[1] / spec_reads[2]
+        res.reads = {
+            "target_bytes_per_token_plain": t_plain,
+            "target_bytes_per_token_spec": t_spec,
+            "draft_bytes_per_token_spec": d_spec,
+            "target_read_reduction": t_plain / t_spec if t_spec else float("nan"),
+            "total_read_reduction": t_plain / (t_spec + d_spec) if t_spec + d_spec else float("nan"),
+        }
+    return res
+
+
+def hardware_counters_note() -> str:
+    """Whether `perf stat` can measure memory traffic here; the bench prints this line."""
+    import shutil
+    import subprocess
+
+    if shutil.which("perf") is None:
+        return "hardware counters: `perf` is not installed; bytes are counted from the bundle, not measured"
+    try:
+        out = subprocess.run(["perf", "stat", "-x,", "-e", "cache-misses", "true"], capture_output=True,
+                             text=True, timeout=10).stderr
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"hardware counters: perf failed ({exc}); bytes are counted from the bundle, not measured"
+    if "not supported" in out or "<not" in out:
+        return "hardware counters: not exposed on this machine (perf reports <not supported>); bytes are counted, not measured"
+    return "hardware counters: available (perf stat -e cache-misses works); run the bench under perf for a measured figure"

@@ -1,0 +1,119 @@
+"""Tables, JSON and PNG plots for benchmark results (matplotlib is optional: the `bench` extra)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+from . import theory
+
+
+def machine_description() -> dict:
+    import numpy as np
+
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        if names:
+            info["cpu_model"] = names[0]
+    except OSError:
+        pass
+    try:
+        import onnxruntime as ort
+
+        info["onnxruntime"] = ort.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _f(x: float, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'setting':<34} {'alpha':>6} {'c':>6} {'tok/round':>9} {'(theory)':>8} "
+            f"{'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'[IQR]':>13} {'Thm3.8':>7} {'reads/tok':>9}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        iqr = r.get("speedup_iqr") or [float("nan")] * 2
+        lines.append(
+            f"{r['setting']:<34} {_f(r['alpha'])} {_f(r['c'])} {_f(r['tokens_per_round'], '9.2f')} "
+            f"{_f(r['expected_tokens_per_round'], '8.2f')} {_f(r['plain_tokens_per_s'], '11.1f')} "
+            f"{_f(r['spec_tokens_per_s'], '10.1f')} {_f(r['speedup'], '7.2f')}x "
+            f"[{_f(iqr[0], '.2f')}-{_f(iqr[1], '.2f')}] {_f(r['predicted_speedup'], '6.2f')}x "
+            f"{_f(r.get('target_read_reduction', float('nan')), '8.2f')}x")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Write atomically: a temporary file renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2, default=float)
+    os.replace(tmp, path)
+
+
+def plot(rows: list[dict], out_dir: Path) -> list[Path]:
+    """speedup.png (measured vs Theorem 3.8 against gamma) and accepted_hist.png."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    by_t: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["gamma"] is not None and r["draft"] == "model" and r["lenience"] == 1.0:
+            by_t.setdefault((r["temperature"], r["top_k"], r["top_p"]), []).append(r)
+    for i, (key, rs) in enumerate(sorted(by_t.items())):
+        rs = sorted(rs, key=lambda r: r["gamma"])
+        color = f"C{i}"
+        gs = [r["gamma"] for r in rs]
+        ax.errorbar(gs, [r["speedup"] for r in rs],
+                    yerr=[[max(0.0, r["speedup"] - r["speedup_iqr"][0]) if r["speedup_iqr"][0] == r["speedup_iqr"][0] else 0 for r in rs],
+                          [max(0.0, r["speedup_iqr"][1] - r["speedup"]) if r["speedup_iqr"][1] == r["speedup_iqr"][1] else 0 for r in rs]],
+                    fmt="o-", color=color, label=f"measured T={key[0]:g}")
+        a = sum(r["alpha"] for r in rs) / len(rs)
+        c = sum(r["c"] for r in rs) / len(rs)
+        if 0 <= a <= 1 and c == c:
+            grid = list(range(1, max(gs) + 1))
+            ax.plot(grid, [theory.speedup(a, g, c) for g in grid], "--", color=color,
+                    label=f"Thm 3.8 (alpha={a:.2f}, c={c:.3f})")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("gamma (draft tokens per round)")
+    ax.set_ylabel("speedup over plain decoding")
+    ax.legend(fontsize=8)
+    ax.set_title("Speculative vs plain decoding (medians, IQR bars)")
+    fig.tight_layout()
+    p = out_dir / "speedup.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    written.append(p)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    shown = [r for r in rows if r["accepted_hist"]][:6]
+    width = 0.8 / max(1, len(shown))
+    for i, r in enumerate(shown):
+        h = r["accepted_hist"]
+        total = sum(h) or 1
+        ax.bar([n + i * width for n in range(len(h))], [k / total for k in h], width=width, label=r["setting"])
+    ax.set_xlabel("drafts kept in a round")
+    ax.set_ylabel("fraction of rounds")
+    ax.legend(fontsize=7)
+    ax.set_title("Accepted-length histogram")
+    fig.tight_layout()
+    p = out_dir / "accepted_hist.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    written.append(p)
+    return written

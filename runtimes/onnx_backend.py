@@ -1,0 +1,384 @@
+"""ONNX Runtime backends (decoder-only and T5) implementing ``edgespec.backend.Backend``.
+
+KV cache scheme: preallocated ping-pong buffers + IOBinding, rewind = move an integer.
+
+The exported graphs (optimum's) take ``past`` [1, H, P, D] and return ``present`` [1, H, P+k, D]
+= concat(past, new): the graph itself copies the past into present every call (O(P), inherent to
+these graphs). We never add a copy on top of that in the common case:
+
+* each KV tensor has two flat buffers (side A and B) of capacity H * max_length * D, allocated once;
+* a call binds ``past`` to the first H*P*D elements of the current side and ``present`` to the
+  first H*(P+k)*D elements of the other side (raw pointers via IOBinding: ORT reads and writes our
+  memory directly, no numpy conversion, no allocation, no per-call dict); then the sides swap;
+* ``rewind_to(n)`` only sets the logical length (O(1)). The cached tokens beyond ``n`` stay in the
+  buffer. Because a contiguous [1, H, n, D] tensor is not a prefix of a [1, H, P, D] one (the head
+  stride changes), the first call after a rewind compacts the kept prefix into the other side
+  (one O(n) copy per rejection round, the same order as the concat the graph does anyway). A
+  scheme with zero copies needs graphs that write KV in place at a position (a static cache, e.g.
+  GroupQueryAttention with past/present buffer sharing); optimum's graphs do not.
+
+Logits are bound to a fresh ``np.empty`` per call (no copy afterwards), so the caller may keep them
+across calls (the loop keeps the draft's q for every drafted token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from edgespec import contract
+from edgespec.bundle import ModelManifest
+from edgespec.errors import BundleError, InvalidArgumentError, PromptTooLongError, ProviderError
+
+# Short names accepted on the command line and in the API -> ONNX Runtime provider names.
+PROVIDER_ALIASES: dict[str, str] = {
+    "cpu": "CPUExecutionProvider",
+    "cuda": "CUDAExecutionProvider",
+    "tensorrt": "TensorrtExecutionProvider",
+    "rocm": "ROCMExecutionProvider",
+    "migraphx": "MIGraphXExecutionProvider",
+    "coreml": "CoreMLExecutionProvider",
+    "openvino": "OpenVINOExecutionProvider",
+    "dml": "DmlExecutionProvider",
+    "qnn": "QNNExecutionProvider",
+    "xnnpack": "XnnpackExecutionProvider",
+    "nnapi": "NnapiExecutionProvider",
+    "webgpu": "WebGpuExecutionProvider",
+    "cann": "CANNExecutionProvider",
+    "acl": "ACLExecutionProvider",
+    "armnn": "ArmNNExecutionProvider",
+    "vitisai": "VitisAIExecutionProvider",
+}
+_ORT_TO_ALIAS = {v: k for k, v in PROVIDER_ALIASES.items()}
+
+
+def available_providers() -> list[str]:
+    """Short names (or ORT names when there is no short one) of the providers this onnxruntime has."""
+    import onnxruntime as ort
+
+    return [_ORT_TO_ALIAS.get(p, p) for p in ort.get_available_providers()]
+
+
+def resolve_providers(names: Sequence[str] | str) -> tuple[str, ...]:
+    """Map an ordered list of provider names to ORT names; ProviderError if one is not available."""
+    import onnxruntime as ort
+
+    if isinstance(names, str):
+        names = [n for n in names.split(",") if n.strip()]
+    names = [n.strip() for n in names]
+    if not names:
+        raise ProviderError(f"no execution provider given; available: {', '.join(available_providers())}")
+    have = ort.get_available_providers()
+    out = []
+    for name in names:
+        ort_name = PROVIDER_ALIASES.get(name.lower(), name)
+        if ort_name not in have:
+            raise ProviderError(
+                f"execution provider {name!r} is not available in this onnxruntime build; available: "
+                f"{', '.join(available_providers())}. Install the onnxruntime package built for it "
+                "(e.g. onnxruntime-gpu for cuda) or pick an available one"
+            )
+        if ort_name not in out:
+            out.append(ort_name)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How one model's ONNX Runtime sessions are built. Target and draft may differ."""
+
+    providers: tuple[str, ...] = ("cpu",)
+    intra_op_threads: int = 0  # 0: ONNX Runtime's default (one per physical core)
+    spinning: bool | None = None  # intra-op thread spin-waiting; None: ORT default (on)
+
+    def __post_init__(self) -> None:
+        t = self.intra_op_threads
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise InvalidArgumentError(f"threads must be an integer >= 0 (0 = ONNX Runtime default); got {t!r}")
+
+
+def make_session(path: Path, cfg: SessionConfig):
+    import onnxruntime as ort
+
+    providers = resolve_providers(cfg.providers)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = cfg.intra_op_threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    if cfg.spinning is not None:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if cfg.spinning else "0")
+    try:
+        sess = ort.InferenceSession(str(path), opts, providers=list(providers))
+    except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, Fail, ...)
+        raise BundleError(f"ONNX Runtime cannot load {path}: {exc}; re-export the bundle") from exc
+    missing = [p for p in providers if p not in sess.get_providers()]
+    if missing:
+        raise ProviderError(
+            f"ONNX Runtime did not enable {', '.join(missing)} for {path.name} (it fell back to "
+            f"{', '.join(sess.get_providers())}); check the provider's libraries/drivers or choose another provider"
+        )
+    return sess
+
+
+def _float_type(sess, name: str):
+    t = next(i.type for i in sess.get_inputs() if i.name == name)
+    if t == "tensor(float)":
+        return np.float32
+    if t == "tensor(float16)":
+        return np.float16
+    raise BundleError(f"unsupported KV dtype {t} for {name}; re-export the bundle in fp32")
+
+
+class _Binder:
+    """Thin, allocation-free access to an IOBinding: names and the CPU device are resolved once."""
+
+    def __init__(self, sess):
+        from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
+
+        self._io = sess.io_binding()
+        # The public IOBinding methods rebuild an OrtDevice and do bookkeeping on every call; the
+        # underlying C binding takes the same arguments, so the hot path calls it directly.
+        self._c = self._io._iobinding
+        self._run = sess._sess.run_with_iobinding
+        self._dev = OrtDevice.make("cpu", 0)._get_c_device()
+
+    def input(self, name: str, dtype, shape: tuple, ptr: int) -> None:
+        self._c.bind_input(name, self._dev, dtype, shape, ptr)
+
+    def output(self, name: str, dtype, shape: tuple, ptr: int) -> None:
+        self._c.bind_output(name, self._dev, dtype, shape, ptr)
+
+    def run(self) -> None:
+        self._run(self._c, None)
+
+
+class _KVPingPong:
+    """Two flat buffers per KV tensor; see the module docstring for why and how."""
+
+    def __init__(self, n_tensors: int, heads: int, head_size: int, capacity: int, dtype):
+        self.heads, self.head_size, self.capacity, self.dtype = heads, head_size, capacity, dtype
+        size = heads * capacity * head_size
+        # np.empty: pages are committed only when first written, so a large max_length is cheap.
+        self.buffers = [[np.empty(size, dtype=dtype) for _ in range(n_tensors)] for _side in range(2)]
+        self.ptrs = [[b.ctypes.data for b in side] for side in self.buffers]
+        self.side = 0  # side holding the current cache
+        self.physical = 0  # tokens stored in that side (layout [1, H, physical, D])
+
+    def compact(self, n: int) -> None:
+        """Make the current side hold exactly the first ``n`` tokens (after a rewind)."""
+        h, d, p = self.heads, self.head_size, self.physical
+        src_side, dst_side = self.buffers[self.side], self.buffers[1 - self.side]
+        for src, dst in zip(src_side, dst_side):
+            np.copyto(dst[: h * n * d].reshape(h, n, d), src[: h * p * d].reshape(h, p, d)[:, :n])
+        self.side = 1 - self.side
+        self.physical = n
+
+    def bind(self, binder: _Binder, past_names, present_names, past_len: int, new: int) -> None:
+        h, d, dt = self.heads, self.head_size, self.dtype
+        past_shape, present_shape = (1, h, past_len, d), (1, h, past_len + new, d)
+        for name, ptr in zip(past_names, self.ptrs[self.side]):
+            binder.input(name, dt, past_shape, ptr)
+        for name, ptr in zip(present_names, self.ptrs[1 - self.side]):
+            binder.output(name, dt, present_shape, ptr)
+
+    def bind_present_only(self, binder: _Binder, present_names, new: int) -> None:
+        shape = (1, self.heads, new, self.head_size)
+        for name, ptr in zip(present_names, self.ptrs[1 - self.side]):
+            binder.output(name, self.dtype, shape, ptr)
+
+    def commit(self, length: int) -> None:
+        self.side = 1 - self.side
+        self.physical = length
+
+
+def _as_ids(ids, vocab_size: int | None = None) -> np.ndarray:
+    arr = np.ascontiguousarray(ids, dtype=np.int64).reshape(1, -1)
+    if arr.shape[1] == 0:
+        raise InvalidArgumentError("token block is empty; pass at least one token id")
+    if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
+        raise InvalidArgumentError(f"token ids must be in [0, {vocab_size}); got min {arr.min()}, max {arr.max()}")
+    return arr
+
+
+class OnnxDecoderBackend:
+    """A decoder-only model (GPT-2, Llama, ...) from one bundle folder."""
+
+    def __init__(self, folder: str | Path, model: ModelManifest, session: SessionConfig = SessionConfig()):
+        if model.kind != contract.KIND_DECODER:
+            raise BundleError(f"{folder}: model kind {model.kind!r} is not decoder-only; use OnnxSeq2SeqBackend")
+        self.vocab_size = model.vocab_size
+        self.max_length = model.max_positions
+        self._sess = make_session(Path(folder) / model.files["decoder"], session)
+        names = {i.name for i in self._sess.get_inputs()}
+        self._past = contract.decoder_past_names(model.num_layers)
+        self._present = contract.decoder_present_names(model.num_layers)
+        if not set(self._past) <= names:
+            raise BundleError(f"{folder}: graph inputs do not match the manifest's {model.num_layers} layers; re-export")
+        self._has_mask = contract.ATTENTION_MASK in names
+        self._has_pos = contract.POSITION_IDS in names
+        self._dtype = _float_type(self._sess, self._past[0])
+        self._logits_dtype = _float_type_out(self._sess, contract.LOGITS)
+        self._kv = _KVPingPong(len(self._past), model.num_kv_heads, model.head_size, self.max_length, self._dtype)
+        self._bind = _Binder(self._sess)
+        # Constant helper inputs: attention_mask is all ones (one unpadded sequence), position_ids
+        # are an arange; a call binds a prefix / a window of them by pointer arithmetic.
+        self._ones = np.ones(self.max_length, dtype=np.int64)
+        self._arange = np.arange(self.max_length, dtype=np.int64)
+        self._ones_ptr, self._arange_ptr = self._ones.ctypes.data, self._arange.ctypes.data
+        self._len = 0
+        self._ids = None  # keeps the bound input_ids alive during the run
+
+    @property
+    def length(self) -> int:
+        return self._len
+
+    def prefill(self, ids) -> np.ndarray:
+        arr = _as_ids(ids, self.vocab_size)
+        self._len = 0
+        self._kv.physical = 0
+        return self._forward(arr)[-1]
+
+    def extend(self, ids) -> np.ndarray:
+        return self._forward(_as_ids(ids))
+
+    def _forward(self, arr: np.ndarray) -> np.ndarray:
+        p, k = self._len, arr.shape[1]
+        total = p + k
+        if total > self.max_length:
+            raise PromptTooLongError(f"sequence would reach {total} tokens but the model has {self.max_length} positions; use a shorter prompt or fewer new tokens")
+        kv, b = self._kv, self._bind
+        if kv.physical != p:
+            kv.compact(p)
+        self._ids = arr
+        b.input(contract.INPUT_IDS, np.int64, (1, k), arr.ctypes.data)
+        if self._has_mask:
+            b.input(contract.ATTENTION_MASK, np.int64, (1, total), self._ones_ptr)
+        if self._has_pos:
+            b.input(contract.POSITION_IDS, np.int64, (1, k), self._arange_ptr + 8 * p)
+        kv.bind(b, self._past, self._present, p, k)
+        logits = np.empty((k, self.vocab_size), dtype=self._logits_dtype)
+        b.output(contract.LOGITS, self._logits_dtype, (1, k, self.vocab_size), logits.ctypes.data)
+        b.run()
+        kv.commit(total)
+        self._len = total
+        return logits
+
+    def rewind_to(self, n: int) -> None:
+        if not 0 <= n <= self._len:
+            raise InvalidArgumentError(f"rewind_to({n}) outside [0, {self._len}]")
+        self._len = n  # O(1): the stale tail is dropped lazily (see module docstring)
+
+    def free(self) -> None:
+        self._len = 0
+        self._kv.physical = 0
+
+
+def _float_type_out(sess, name: str):
+    t = next(o.type for o in sess.get_outputs() if o.name == name)
+    return np.float16 if t == "tensor(float16)" else np.float32
+
+
+class OnnxSeq2SeqBackend:
+    """An encoder-decoder model (T5). ``prefill(prompt)`` runs the encoder once and the first
+    decoder step on the decoder start token; ``length`` then counts decoder tokens (1)."""
+
+    def __init__(self, folder: str | Path, model: ModelManifest, session: SessionConfig = SessionConfig()):
+        if model.kind != contract.KIND_SEQ2SEQ:
+            raise BundleError(f"{folder}: model kind {model.kind!r} is not encoder-decoder; use OnnxDecoderBackend")
+        folder = Path(folder)
+        self.vocab_size = model.vocab_size
+        self.max_length = model.max_positions
+        self._start = int(model.decoder_start_token_id if model.decoder_start_token_id is not None else model.pad_token_id or 0)
+        self._enc = make_session(folder / model.files["encoder"], session)
+        self._dec0 = make_session(folder / model.files["decoder"], session)
+        self._dec = make_session(folder / model.files["decoder_with_past"], session)
+        n = model.num_layers
+        self._self_past = contract.seq2seq_self_past_names(n)
+        self._self_present = contract.seq2seq_self_present_names(n)
+        self._cross_past = contract.seq2seq_cross_past_names(n)
+        self._cross_present = contract.seq2seq_cross_present_names(n)
+        self._dtype = _float_type(self._dec, self._self_past[0])
+        self._logits_dtype = _float_type_out(self._dec, contract.LOGITS)
+        self._heads, self._head = model.num_kv_heads, model.head_size
+        self._kv = _KVPingPong(len(self._self_past), self._heads, self._head, self.max_length, self._dtype)
+        self._b0, self._b = _Binder(self._dec0), _Binder(self._dec)
+        self._len = 0
+        self._ids = None
+        self._enc_state = None  # (hidden, mask, cross KV arrays) of the current prompt
+
+    @property
+    def length(self) -> int:
+        return self._len
+
+    def prefill(self, ids) -> np.ndarray:
+        src = _as_ids(ids, self.vocab_size)
+        if src.shape[1] > self.max_length:
+            raise PromptTooLongError(f"prompt has {src.shape[1]} tokens but the encoder takes at most {self.max_length}; shorten it")
+        mask = np.ones_like(src)
+        # The encoder runs once per prompt; its output only feeds the first decoder call, which
+        # returns the cross-attention KV reused (bound, never copied) by every later call.
+        (hidden,) = self._enc.run([contract.ENCODER_OUTPUT], {contract.ENCODER_INPUT_IDS: src, contract.ENCODER_ATTENTION_MASK: mask})
+        s = src.shape[1]
+        cross = [np.empty((1, self._heads, s, self._head), dtype=self._dtype) for _ in self._cross_present]
+        self._enc_state = (np.ascontiguousarray(hidden), mask, cross)
+        self._len = 0
+        self._kv.physical = 0
+        return self._forward(np.array([[self._start]], dtype=np.int64))[-1]
+
+    def extend(self, ids) -> np.ndarray:
+        if self._enc_state is None:
+            raise InvalidArgumentError("extend() before prefill(): call prefill(prompt_ids) first")
+        return self._forward(_as_ids(ids))
+
+    def _forward(self, arr: np.ndarray) -> np.ndarray:
+        p, k = self._len, arr.shape[1]
+        total = p + k
+        if total > self.max_length:
+            raise PromptTooLongError(f"decoder would reach {total} tokens but the model allows {self.max_length}; ask for fewer new tokens")
+        hidden, mask, cross = self._enc_state
+        kv = self._kv
+        if kv.physical != p:
+            kv.compact(p)
+        self._ids = arr
+        logits = np.empty((k, self.vocab_size), dtype=self._logits_dtype)
+        lshape = (1, k, self.vocab_size)
+        if p == 0:  # first decoder call: no past; emits the cross-attention KV
+            b = self._b0
+            b.input(contract.DECODER_INPUT_IDS, np.int64, (1, k), arr.ctypes.data)
+            b.input(contract.DECODER_ENCODER_HIDDEN_STATES, self._dtype, hidden.shape, hidden.ctypes.data)
+            b.input(contract.DECODER_ENCODER_ATTENTION_MASK, np.int64, mask.shape, mask.ctypes.data)
+            kv.bind_present_only(b, self._self_present, k)
+            for name, arr_c in zip(self._cross_present, cross):
+                b.output(name, self._dtype, arr_c.shape, arr_c.ctypes.data)
+        else:
+            b = self._b
+            b.input(contract.DECODER_INPUT_IDS, np.int64, (1, k), arr.ctypes.data)
+            b.input(contract.DECODER_ENCODER_ATTENTION_MASK, np.int64, mask.shape, mask.ctypes.data)
+            kv.bind(b, self._self_past, self._self_present, p, k)
+            for name, arr_c in zip(self._cross_past, cross):
+                b.input(name, self._dtype, arr_c.shape, arr_c.ctypes.data)
+        b.output(contract.LOGITS, self._logits_dtype, lshape, logits.ctypes.data)
+        b.run()
+        kv.commit(total)
+        self._len = total
+        return logits
+
+    def rewind_to(self, n: int) -> None:
+        if not 0 <= n <= self._len:
+            raise InvalidArgumentError(f"rewind_to({n}) outside [0, {self._len}]")
+        self._len = n
+
+    def free(self) -> None:
+        self._len = 0
+        self._kv.physical = 0
+        self._enc_state = None
+
+
+def open_backend(folder: str | Path, model: ModelManifest, session: SessionConfig = SessionConfig()):
+    """The backend class matching ``model.kind``."""
+    cls = OnnxSeq2SeqBackend if model.kind == contract.KIND_SEQ2SEQ else OnnxDecoderBackend
+    return cls(folder, model, session)

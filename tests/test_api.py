@@ -1,0 +1,140 @@
+"""edgespec.api.load(...).generate(...) on exported tiny GPT-2 / Llama / T5 bundles."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from edgespec import contract
+from edgespec.api import load
+from edgespec.errors import BundleError, InvalidArgumentError, PromptTooLongError, ProviderError
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown fox jumps over"
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_bundle):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            cache[arch] = load(tiny_bundle(arch), threads=1)
+        return cache[arch]
+
+    return get
+
+
+def _first_divergence_report(engine, prompt_ids, spec, plain) -> str:
+    """Where greedy speculative and plain greedy differ, and the target's logit gap there."""
+    i = next(j for j, (a, b) in enumerate(zip(spec, plain)) if a != b) if spec != plain[: len(spec)] else min(len(spec), len(plain))
+    t = engine.target
+    if engine.manifest.target.kind == contract.KIND_SEQ2SEQ:
+        logits = t.prefill(np.array(prompt_ids))
+        if i:
+            logits = t.extend(np.array(plain[:i]))[-1]
+    else:
+        logits = t.prefill(np.array(prompt_ids + plain[:i]))
+    vocab = min(engine.target.vocab_size, engine.draft.vocab_size)
+    logits = logits[:vocab]
+    a, b = (spec[i], plain[i]) if i < min(len(spec), len(plain)) else (None, None)
+    gap = float(logits[b] - logits[a]) if a is not None else float("nan")
+    return f"first difference at new-token position {i}: speculative {a}, plain {b}, target logit gap {gap:.3g}"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
+def test_greedy_speculative_equals_plain_greedy(engines, arch):
+    eng = engines(arch)
+    for gamma in (1, 3, 5, None):
+        spec = eng.generate(PROMPT, max_new_tokens=24, temperature=0, gamma=gamma, seed=0)
+        plain = eng.generate(PROMPT, max_new_tokens=24, temperature=0, use_draft=False)
+        assert spec.ids == plain.ids, _first_divergence_report(eng, spec.prompt_ids, spec.ids, plain.ids)
+        assert spec.finish_reason == plain.finish_reason
+        assert set(plain.sources) == {"target"}
+        assert len(spec.sources) == len(spec.ids)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_seeded_sampling_is_deterministic(engines, arch):
+    eng = engines(arch)
+    a = eng.generate(PROMPT, max_new_tokens=20, temperature=1.0, top_k=20, top_p=0.95, seed=7)
+    b = eng.generate(PROMPT, max_new_tokens=20, temperature=1.0, top_k=20, top_p=0.95, seed=7)
+    assert a.ids == b.ids and a.sources == b.sources
+    others = {tuple(eng.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=s).ids) for s in range(4)}
+    assert len(others) > 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "t5"])
+def test_stream_equals_non_streamed(engines, arch):
+    eng = engines(arch)
+    full = eng.generate(PROMPT, max_new_tokens=16, temperature=0.8, seed=3)
+    stream = eng.generate(PROMPT, max_new_tokens=16, temperature=0.8, seed=3, stream=True)
+    with pytest.raises(InvalidArgumentError, match="not finished"):
+        stream.result
+    chunks = list(stream)
+    assert [t for c in chunks for t in c.ids] == full.ids == stream.result.ids
+    assert "".join(str(c) for c in chunks) == full.text == stream.result.text
+    assert stream.result.sources == full.sources
+
+
+def test_stop_conditions_and_stats(engines):
+    eng = engines("gpt2")
+    out = eng.generate(PROMPT, max_new_tokens=5, temperature=0)
+    assert len(out.ids) == 5 and out.finish_reason == "length"
+    longer = eng.generate(PROMPT, max_new_tokens=20, temperature=0)
+    stop = longer.ids[6]
+    cut = eng.generate(PROMPT, max_new_tokens=20, temperature=0, stop_token_ids=[stop])
+    assert cut.finish_reason == "stop" and cut.ids[-1] == stop and stop not in cut.ids[:-1]
+    assert cut.ids == longer.ids[: len(cut.ids)]
+    s = longer.stats.to_dict()
+    assert s["emitted"] == len(longer.ids) == 20
+    assert s["accepted"] == longer.sources.count("accepted")
+    assert s["target_calls"] >= 1 and s["draft_calls"] >= s["accepted"]
+    json.dumps(s)  # serialisable
+    plain = eng.generate(PROMPT, max_new_tokens=8, temperature=0, use_draft=False).stats.to_dict()
+    assert plain["draft_calls"] == 0 and plain["target_calls"] == 8
+
+
+def test_ids_prompt_and_single_model_bundle(engines, tiny_bundle):
+    eng = engines("gpt2")
+    ids = eng.encode(PROMPT)
+    assert eng.generate(ids, max_new_tokens=6, temperature=0).ids == eng.generate(PROMPT, max_new_tokens=6, temperature=0).ids
+    no_draft = load(tiny_bundle("gpt2"), load_draft=False)
+    assert not no_draft.has_draft
+    assert set(no_draft.generate(PROMPT, max_new_tokens=4, temperature=0).sources) == {"target"}
+
+
+def test_bad_inputs(engines):
+    eng = engines("gpt2")
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        eng.generate("")
+    with pytest.raises(InvalidArgumentError, match="empty"):
+        eng.generate("   ")
+    with pytest.raises(InvalidArgumentError, match="non-empty"):
+        eng.generate([])
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 80\)"):  # shared vocab with the draft
+        eng.generate([4, 90])
+    with pytest.raises(PromptTooLongError, match="128"):
+        eng.generate([4] * 129, max_new_tokens=1)
+    with pytest.raises(PromptTooLongError, match="at most 29"):
+        eng.generate([4] * 100, max_new_tokens=40)
+    for kwargs in ({"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}, {"gamma": 0}, {"seed": -1},
+                   {"max_new_tokens": 0}, {"lenience": 2.0}):
+        with pytest.raises(InvalidArgumentError):
+            eng.generate(PROMPT, **kwargs)
+
+
+def test_load_errors(tmp_path, bundle_copy, tiny_bundle):
+    with pytest.raises(BundleError, match="does not exist"):
+        load(tmp_path / "nope")
+    with pytest.raises(ProviderError, match="available"):
+        load(tiny_bundle("gpt2"), providers=["cuda"])
+    with pytest.raises(ProviderError, match="available"):
+        load(tiny_bundle("gpt2"), draft_providers=["coreml"])
+    b = bundle_copy()
+    f = b / "target" / contract.DECODER_FILE
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(BundleError, match="truncated"):
+        load(b)

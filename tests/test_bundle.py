@@ -1,0 +1,132 @@
+"""Bundle loading: manifest versions, missing/corrupt/LFS files, unsafe ONNX external data."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from edgespec import contract
+from edgespec.bundle import load_bundle, onnx_external_data_locations
+from edgespec.errors import BundleError, UnsafeFileError
+
+pytestmark = pytest.mark.slow
+
+
+def _external_model(path: Path, location: str) -> None:
+    """A valid ONNX model whose only initializer lives in external data at ``location``."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    init = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[4])
+    init.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", "0"), ("length", "16")):
+        entry = init.external_data.add()
+        entry.key, entry.value = k, v
+    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], initializer=[init])
+    path.write_bytes(helper.make_model(graph).SerializeToString())
+    assert onnx.load(str(path), load_external_data=False).graph.initializer[0].external_data[0].value == location
+
+
+def test_loads_good_bundles(tiny_bundle):
+    for arch in ("gpt2", "t5"):
+        m = load_bundle(tiny_bundle(arch))
+        assert m.target.kind == (contract.KIND_SEQ2SEQ if arch == "t5" else contract.KIND_DECODER)
+        assert m.draft is not None and m.shared_vocab_size == 80
+
+
+def test_missing_bundle_and_manifest(tmp_path, bundle_copy):
+    with pytest.raises(BundleError, match="does not exist"):
+        load_bundle(tmp_path / "nope")
+    b = bundle_copy()
+    (b / contract.MANIFEST_NAME).unlink()
+    with pytest.raises(BundleError, match="not an edgespec bundle"):
+        load_bundle(b)
+
+
+def test_unknown_schema_version(bundle_copy):
+    b = bundle_copy()
+    data = json.loads((b / contract.MANIFEST_NAME).read_text())
+    data["schema_version"] = 99
+    (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(BundleError, match=r"version 99.*supported: 1.*re-export"):
+        load_bundle(b)
+
+
+def test_malformed_manifest(bundle_copy):
+    b = bundle_copy()
+    (b / contract.MANIFEST_NAME).write_text("{not json")
+    with pytest.raises(BundleError, match="not valid JSON"):
+        load_bundle(b)
+    data = {"schema_version": 1, "models": {"target": {"path": "target"}}}
+    (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(BundleError, match="malformed"):
+        load_bundle(b)
+
+
+def test_missing_onnx_file(bundle_copy):
+    b = bundle_copy("t5")
+    (b / "draft" / contract.SEQ2SEQ_DECODER_WITH_PAST_FILE).unlink()
+    with pytest.raises(BundleError, match="missing"):
+        load_bundle(b)
+
+
+def test_truncated_onnx(bundle_copy):
+    b = bundle_copy()
+    f = b / "target" / contract.DECODER_FILE
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(BundleError, match="truncated or corrupt"):
+        load_bundle(b)
+
+
+def test_garbage_onnx(bundle_copy):
+    b = bundle_copy()
+    (b / "target" / contract.DECODER_FILE).write_bytes(b"\xff" * 100)
+    with pytest.raises(BundleError, match="corrupt"):
+        load_bundle(b)
+
+
+def test_lfs_pointer(bundle_copy):
+    b = bundle_copy()
+    (b / "draft" / contract.DECODER_FILE).write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
+    with pytest.raises(BundleError, match="git lfs pull"):
+        load_bundle(b)
+
+
+@pytest.mark.parametrize("location", ["../secret.bin", "/etc/passwd", "sub/../../secret.bin"])
+def test_external_data_outside_folder(bundle_copy, location):
+    b = bundle_copy()
+    (b / "secret.bin").write_bytes(b"\0" * 16)
+    _external_model(b / "target" / contract.DECODER_FILE, location)
+    assert onnx_external_data_locations(b / "target" / contract.DECODER_FILE) == [location]
+    with pytest.raises(UnsafeFileError, match="outside"):
+        load_bundle(b)
+
+
+def test_external_data_symlink_and_hardlink(bundle_copy, tmp_path):
+    b = bundle_copy()
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"\0" * 16)
+    model = b / "target" / contract.DECODER_FILE
+    _external_model(model, "weights.bin")
+    os.symlink(secret, b / "target" / "weights.bin")
+    with pytest.raises(UnsafeFileError, match="symbolic link"):
+        load_bundle(b)
+    (b / "target" / "weights.bin").unlink()
+    os.link(secret, b / "target" / "weights.bin")
+    with pytest.raises(UnsafeFileError, match="hard link"):
+        load_bundle(b)
+    (b / "target" / "weights.bin").unlink()
+    (b / "target" / "weights.bin").write_bytes(b"\0" * 16)
+    load_bundle(b)  # a plain file next to the model is fine
+
+
+def test_external_data_missing(bundle_copy):
+    b = bundle_copy()
+    _external_model(b / "target" / contract.DECODER_FILE, "weights.bin")
+    with pytest.raises(BundleError, match="missing"):
+        load_bundle(b)

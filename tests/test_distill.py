@@ -1,0 +1,145 @@
+"""measure_alpha and `edgespec distill` on tiny models."""
+from __future__ import annotations
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from edgespec.cli import main  # noqa: E402
+from edgespec.distill import distill, measure_alpha, resolve_size  # noqa: E402
+from edgespec.errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError  # noqa: E402
+from edgespec.pair import train_pair  # noqa: E402
+
+_FILES = ["argparse.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "string.py", "bisect.py",
+          "heapq.py", "shlex.py", "fnmatch.py", "glob.py", "copy.py", "abc.py"]
+
+
+class _Fixed(torch.nn.Module):
+    """A stand-in causal LM whose logits at every position are a fixed vector."""
+
+    def __init__(self, logits):
+        super().__init__()
+        self.v = torch.as_tensor(logits, dtype=torch.float32)
+        self.head = torch.nn.Linear(1, len(self.v), bias=False)
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=self.v.expand(*input_ids.shape, len(self.v)).clone())
+
+
+def test_measure_alpha_formula():
+    p_logits, q_logits = torch.tensor([2.0, 1.0, 0.0, -1.0]), torch.tensor([0.0, 1.5, 0.5, 0.0])
+    t, d = _Fixed(p_logits), _Fixed(q_logits)
+    ids = torch.zeros(3, 5, dtype=torch.long)
+    expected = float(torch.minimum(p_logits.softmax(-1), q_logits.softmax(-1)).sum())
+    assert measure_alpha(t, d, ids, 1.0) == pytest.approx(expected, abs=1e-6)
+    expected_t2 = float(torch.minimum((p_logits / 2).softmax(-1), (q_logits / 2).softmax(-1)).sum())
+    assert measure_alpha(t, d, ids, 2.0) == pytest.approx(expected_t2, abs=1e-6)
+    assert measure_alpha(t, d, ids, 0.0) == 0.0  # argmax 0 vs argmax 1
+    assert measure_alpha(t, t, ids, 0.0) == 1.0
+    assert measure_alpha(t, t, [[1, 2, 3], [4]], 1.0) == pytest.approx(1.0)
+    assert measure_alpha(t, d, ids[0], 1.0) == pytest.approx(expected, abs=1e-6)
+    with pytest.raises(InvalidArgumentError):
+        measure_alpha(t, d, ids, -1.0)
+    with pytest.raises(InvalidArgumentError, match="vocabulary"):
+        measure_alpha(t, _Fixed(torch.zeros(5)), ids, 1.0)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    d = tmp_path_factory.mktemp("corpus")
+    out = []
+    for name in _FILES:
+        dst = d / name.replace("/", "_")
+        dst.write_bytes((root / name).read_bytes())
+        out.append(dst)
+    return out
+
+
+@pytest.fixture(scope="module")
+def target(corpus, tmp_path_factory) -> Path:
+    return train_pair("tiny", corpus, tmp_path_factory.mktemp("p") / "pair", progress=False) / "target"
+
+
+@pytest.mark.slow
+def test_distill_improves_alpha_and_saves_checkpoint(target, corpus, tmp_path):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    out = tmp_path / "draft"
+    r = distill(target, out, hidden=16, layers=1, heads=1, intermediate=32, corpus=corpus, steps=40, batch_size=8,
+                lr=1e-2, eval_windows=8, progress=False)
+    assert r["alpha_after"]["T1"] > r["alpha_before"]["T1"] + 0.05
+    assert set(r["alpha_after"]) == {"T0", "T1"}
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "distill.json"} <= names
+    assert not any(n.endswith((".bin", ".pt")) for n in names)
+    assert (out / "tokenizer.json").read_bytes() == (target / "tokenizer.json").read_bytes()
+    draft = LlamaForCausalLM.from_pretrained(out, use_safetensors=True)
+    assert draft.config.vocab_size == LlamaForCausalLM.from_pretrained(target, use_safetensors=True).config.vocab_size
+    assert AutoTokenizer.from_pretrained(out).bos_token == "<|bos|>"
+    assert json.loads((out / "distill.json").read_text())["alpha_after"] == r["alpha_after"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+@pytest.mark.slow
+def test_distill_cli_with_baseline(target, corpus, tmp_path, capsys):
+    rc = main(["distill", "--target", str(target), "--out", str(tmp_path / "d"), "--hidden", "16", "--layers", "1",
+               "--heads", "1", "--intermediate", "32", "--steps", "6", "--batch-size", "4", "--eval-windows", "2",
+               "--mode", "tv", "--baseline", "--no-progress", "--corpus", *map(str, corpus)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "baseline" in out and "alpha" in out
+    r = json.loads((tmp_path / "d" / "distill.json").read_text())
+    assert "baseline" in r and set(r["alpha_gain_over_baseline"]) == {"T0", "T1"}
+
+
+def test_bad_targets(target, corpus, tmp_path):
+    kw = dict(corpus=corpus, steps=1, progress=False)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        distill(tmp_path / "missing", tmp_path / "o", **kw)
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(target, no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer"):
+        distill(no_tok, tmp_path / "o", **kw)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(target / "config.json", pickled)
+    shutil.copy(target / "tokenizer.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"not a real pickle; never loaded")
+    with pytest.raises(CheckpointError, match="pickle"):
+        distill(pickled, tmp_path / "o", **kw)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        distill(target, tmp_path / "taken", **kw)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(TrainingError, match="no text"):
+        distill(target, tmp_path / "o", corpus=[empty], steps=1, progress=False)
+    with pytest.raises(TrainingError, match="does not exist"):
+        distill(target, tmp_path / "o", corpus=[tmp_path / "nope.txt"], steps=1, progress=False)
+    with pytest.raises(InvalidArgumentError, match="mode"):
+        distill(target, tmp_path / "o", mode="js", **kw)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_sizes():
+    with pytest.raises(InvalidArgumentError, match="divide"):
+        resolve_size(None, hidden=30, heads=4)
+    with pytest.raises(InvalidArgumentError, match="unknown draft size"):
+        resolve_size("gigantic")
+    s = resolve_size("tiny", layers=2)
+    assert s.layers == 2 and s.hidden == 64
+    s = resolve_size(None, hidden=100)
+    assert 100 % s.heads == 0 and (100 // s.heads) % 2 == 0

@@ -1,0 +1,199 @@
+"""edgespec export: tiny GPT-2 / Llama (GQA) / T5 pairs, manifest contents, and every bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import tiny_models
+from edgespec import contract
+from edgespec.cli import main
+from edgespec.errors import (CheckpointError, OutputExistsError, TokenizerMismatchError, UnsafeFileError,
+                             UnsupportedArchitectureError, ValidationError)
+from edgespec.export.pipeline import ExportOptions, export_bundle
+
+pytestmark = pytest.mark.slow
+
+
+def _manifest(bundle: Path) -> dict:
+    return json.loads((bundle / contract.MANIFEST_NAME).read_text())
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
+def test_pair_export_manifest(tiny_bundle, arch):
+    bundle = tiny_bundle(arch)
+    m = _manifest(bundle)
+    assert m["schema_version"] == contract.SCHEMA_VERSION
+    assert set(m["models"]) == {"target", "draft"}
+    kind = contract.KIND_SEQ2SEQ if arch == "t5" else contract.KIND_DECODER
+    for role, model in m["models"].items():
+        assert model["kind"] == kind and model["model_type"] == arch
+        assert model["files"] == contract.GRAPH_FILES[kind]
+        for f in [*model["files"].values(), contract.TOKENIZER_FILE]:
+            assert (bundle / role / f).is_file()
+        assert model["dtype"] == "fp32" and model["quantization"] == "none"
+        assert model["tokenizer_size"] == tiny_models.TOKENIZER_SIZE
+        assert model["eos_token_ids"] == [1]
+        assert model["parameter_bytes"]["per_forward"] > 0
+        assert model["parameter_bytes"]["total"] >= model["parameter_bytes"]["per_forward"]
+        v = model["validation"]["fp32"]
+        assert v["max_abs_diff"] < v["atol"]
+        stages = v["stages"]
+        assert {"prefill", "step_1", "step_4"} <= set(stages)
+        assert contract.LOGITS in stages["step_4"]
+    t, d = m["models"]["target"], m["models"]["draft"]
+    assert (t["vocab_size"], d["vocab_size"]) == (96, 80)
+    assert m["shared_vocab_size"] == 80  # padding rows differ: only shared ids are compared
+    assert m["tokenizer_check"]["identical_token_to_id_mapping"] is True
+    assert t["num_layers"] == 2 and d["num_layers"] == 1
+    if arch == "llama":
+        assert (t["num_kv_heads"], t["head_size"]) == (2, 8)  # 4 query heads, 2 KV heads
+    if arch == "t5":
+        assert t["decoder_start_token_id"] == 0 and "encoder" in t["parameter_bytes"]
+    assert not [p for p in bundle.parent.iterdir() if ".partial-" in p.name]
+
+
+def test_single_model_cli_and_int8(tiny_checkpoints, tmp_path, capsys):
+    target, _ = tiny_checkpoints("llama")
+    out = tmp_path / "single"
+    assert main(["export", "--model", str(target), "--out", str(out), "--quantize", "int8", "--quiet"]) == 0
+    m = _manifest(out)
+    assert set(m["models"]) == {"target"}
+    t = m["models"]["target"]
+    assert t["quantization"] == "int8-dynamic" and "int8" in t["validation"]
+    assert m["shared_vocab_size"] == t["vocab_size"]
+    assert "wrote bundle" in capsys.readouterr().out
+
+
+def test_per_model_quantization(tiny_checkpoints, tiny_bundle, tmp_path):
+    target, draft = tiny_checkpoints("gpt2")
+    out = tmp_path / "q"
+    assert main(["export", "--target", str(target), "--draft", str(draft), "--out", str(out),
+                 "--quantize-draft", "int8", "--quiet"]) == 0
+    m = _manifest(out)
+    assert m["models"]["target"]["quantization"] == "none"
+    assert m["models"]["draft"]["quantization"] == "int8-dynamic"
+    # int8 weights: fewer bytes read per forward than the same fp32 draft
+    fp32 = _manifest(tiny_bundle("gpt2"))["models"]["draft"]["parameter_bytes"]["per_forward"]
+    assert m["models"]["draft"]["parameter_bytes"]["per_forward"] < fp32
+
+
+def _nothing_written(out: Path) -> bool:
+    return not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def _cli_fails(argv, capsys, needle: str) -> None:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert needle in err, err
+    assert "Traceback" not in err
+
+
+def test_missing_folder(tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match="does not exist"):
+        export_bundle(tmp_path / "nope", out, progress=None)
+    _cli_fails(["export", "--model", str(tmp_path / "nope"), "--out", str(out)], capsys, "does not exist")
+    assert _nothing_written(out)
+
+
+def test_missing_config_and_tokenizer(tiny_checkpoints, tmp_path):
+    target, _ = tiny_checkpoints("gpt2")
+    no_cfg = tmp_path / "no_cfg"
+    shutil.copytree(target, no_cfg)
+    (no_cfg / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json"):
+        export_bundle(no_cfg, tmp_path / "o1", progress=None)
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(target, no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        export_bundle(no_tok, tmp_path / "o2", progress=None)
+    assert _nothing_written(tmp_path / "o1") and _nothing_written(tmp_path / "o2")
+
+
+def test_pickle_only_weights_refused(tiny_checkpoints, tmp_path, capsys):
+    target, _ = tiny_checkpoints("gpt2")
+    ck = tmp_path / "pickle"
+    shutil.copytree(target, ck)
+    (ck / "model.safetensors").rename(ck / "pytorch_model.bin")
+    with pytest.raises(UnsafeFileError, match="pickle"):
+        export_bundle(ck, tmp_path / "o", progress=None)
+    _cli_fails(["export", "--model", str(ck), "--out", str(tmp_path / "o")], capsys, "safetensors")
+    assert _nothing_written(tmp_path / "o")
+
+
+def test_unsupported_architecture(tiny_checkpoints, tmp_path):
+    target, _ = tiny_checkpoints("gpt2")
+    ck = tmp_path / "bert"
+    shutil.copytree(target, ck)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["model_type"] = "bert"
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitectureError, match="gpt2.*llama|llama.*t5"):
+        export_bundle(ck, tmp_path / "o", progress=None)
+
+
+def test_output_exists_and_overwrite(tiny_checkpoints, tmp_path, capsys):
+    target, _ = tiny_checkpoints("gpt2")
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        export_bundle(target, out, progress=None)
+    assert (out / "keep.txt").exists()
+    _cli_fails(["export", "--model", str(target), "--out", str(out)], capsys, "not empty")
+    export_bundle(target, out, options=ExportOptions(overwrite=True), progress=None)
+    assert (out / contract.MANIFEST_NAME).is_file() and not (out / "keep.txt").exists()
+
+
+def test_output_inside_input(tiny_checkpoints, tmp_path):
+    target, _ = tiny_checkpoints("gpt2")
+    ck = tmp_path / "ck"
+    shutil.copytree(target, ck)
+    with pytest.raises(OutputExistsError, match="inside"):
+        export_bundle(ck, ck / "bundle", progress=None)
+    assert not (ck / "bundle").exists()
+
+
+def test_incompatible_tokenizers(tiny_checkpoints, tmp_path, capsys):
+    target, _ = tiny_checkpoints("gpt2")
+    other = tiny_models.make_gpt2(tmp_path / "other", n_layer=1, seed=3)
+    # same size, same token texts, but two ids swapped: sizes alone would not catch it
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["fox"], vocab["dog"] = vocab["dog"], vocab["fox"]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(TokenizerMismatchError, match="tokenizers differ"):
+        export_bundle(target, tmp_path / "o", draft=other, progress=None)
+    _cli_fails(["export", "--target", str(target), "--draft", str(other), "--out", str(tmp_path / "o")], capsys, "differ")
+    assert _nothing_written(tmp_path / "o")
+
+
+def test_validation_over_tolerance_fails_and_leaves_nothing(tiny_checkpoints, tmp_path, monkeypatch, capsys):
+    from edgespec.export import validate
+
+    target, _ = tiny_checkpoints("gpt2")
+    monkeypatch.setattr(validate, "_diff", lambda a, b, name: 0.5)  # a graph that disagrees with PyTorch
+    out = tmp_path / "bad"
+    with pytest.raises(ValidationError, match="differs from PyTorch"):
+        export_bundle(target, out, progress=None)
+    assert _nothing_written(out)
+    _cli_fails(["export", "--model", str(target), "--out", str(out), "--quiet"], capsys, "tolerance")
+    assert _nothing_written(out)
+
+
+def test_fp16_is_a_clear_error(tiny_checkpoints, tmp_path, capsys):
+    target, _ = tiny_checkpoints("gpt2")
+    _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o"), "--dtype", "fp16"], capsys, "fp16")
+    assert _nothing_written(tmp_path / "o")
+
+
+def test_mixed_kinds_refused(tiny_checkpoints, tmp_path):
+    target, _ = tiny_checkpoints("gpt2")
+    t5, _ = tiny_checkpoints("t5")
+    with pytest.raises(UnsupportedArchitectureError, match="decoder-only"):
+        export_bundle(target, tmp_path / "o", draft=t5, progress=None)

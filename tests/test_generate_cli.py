@@ -1,0 +1,74 @@
+"""edgespec generate: output modes and bad inputs (non-zero exit, message, no traceback)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from edgespec import contract
+from edgespec.cli import main
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown fox"
+
+
+def test_stream_json_no_draft_show_drafts(tiny_bundle, capsys):
+    b = str(tiny_bundle("gpt2"))
+    assert main(["generate", b, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "10", "--threads", "1"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip() and "10 tokens" in cap.err
+
+    assert main(["generate", b, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "10", "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert len(spec["ids"]) == 10 and spec["speculative"] and "acceptance_rate" in spec["stats"]
+
+    assert main(["generate", b, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "10", "--json",
+                 "--no-draft"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["ids"] == spec["ids"] and set(plain["sources"]) == {"target"} and not plain["speculative"]
+
+    assert main(["generate", b, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "10", "--show-drafts",
+                 "--gamma", "auto", "--draft-threads", "1", "--no-spin"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[" not in out  # not a TTY: brackets, no ANSI codes
+
+
+def test_seq2seq_generate(tiny_bundle, capsys):
+    assert main(["generate", str(tiny_bundle("t5")), "--prompt", PROMPT, "--seed", "1", "--max-new-tokens", "8",
+                 "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["ids"]) <= 8
+
+
+def _fails(argv, capsys, needle):
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc != 0, err
+    assert needle in err, err
+    assert "Traceback" not in err
+
+
+def test_cli_errors(tmp_path, tiny_bundle, bundle_copy, capsys):
+    good = str(tiny_bundle("gpt2"))
+    _fails(["generate", str(tmp_path / "nope"), "--prompt", "x"], capsys, "does not exist")
+    _fails(["generate", good, "--prompt", "x", "--provider", "cuda"], capsys, "not available")
+    _fails(["generate", good, "--prompt", "x", "--draft-provider", "qnn"], capsys, "not available")
+    _fails(["generate", good, "--prompt", " ".join(["fox"] * 130)], capsys, "128")
+    _fails(["generate", good, "--prompt", "x", "--gamma", "many"], capsys, "--gamma")
+    _fails(["generate", good, "--prompt", "x", "--temperature", "-1"], capsys, "temperature")
+    _fails(["generate", good, "--prompt", ""], capsys, "empty")
+
+    b = bundle_copy()
+    data = json.loads((b / contract.MANIFEST_NAME).read_text())
+    data["schema_version"] = 7
+    (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
+    _fails(["generate", str(b), "--prompt", "x"], capsys, "re-export")
+
+    b2 = bundle_copy("t5")
+    f = b2 / "target" / contract.ENCODER_FILE
+    f.write_bytes(f.read_bytes()[:500])
+    _fails(["generate", str(b2), "--prompt", "x"], capsys, "truncated")
+
+    f = b2 / "target" / contract.ENCODER_FILE
+    f.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")
+    _fails(["generate", str(b2), "--prompt", "x"], capsys, "git lfs pull")

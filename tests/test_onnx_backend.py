@@ -1,0 +1,79 @@
+"""ONNX Runtime backend: prefill / extend / rewind consistency, providers, protocol."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edgespec.backend import Backend
+from edgespec.bundle import load_bundle
+from edgespec.errors import InvalidArgumentError, PromptTooLongError, ProviderError
+from edgespec.runtimes.onnx_backend import SessionConfig, open_backend, resolve_providers
+
+pytestmark = pytest.mark.slow
+
+
+def _backends(bundle):
+    m = load_bundle(bundle)
+    return {role: (open_backend(bundle / mm.path, mm, SessionConfig(intra_op_threads=1)),
+                   open_backend(bundle / mm.path, mm, SessionConfig(intra_op_threads=1)), mm)
+            for role, mm in m.models.items()}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
+def test_rewind_then_extend_matches_fresh(tiny_bundle, arch):
+    rng = np.random.default_rng(0)
+    for role, (be, fresh, mm) in _backends(tiny_bundle(arch)).items():
+        assert isinstance(be, Backend)
+        ids = rng.integers(4, 50, size=24)
+        base = 1 if mm.kind == "seq2seq" else 6  # decoder tokens after prefill(ids[:6])
+        be.prefill(ids[:6])
+        assert be.length == base
+        be.extend(ids[6:7])
+        be.extend(ids[7:12])                      # k-token verify
+        assert be.length == base + 6
+        # Compare against a fresh prefill of the same tokens, built explicitly:
+        be.prefill(ids[:6]); be.extend(ids[6:12])
+        be.rewind_to(be.length - 3); l_rw = be.extend(ids[20:24])        # after a rejection of 3
+        be.rewind_to(be.length - 1); l_rw2 = be.extend(ids[10:11])       # rewind by one, then 1 token
+        fresh.prefill(ids[:6])
+        l_ref = fresh.extend(np.concatenate([ids[6:9], ids[20:24]]))[-4:]
+        fresh.rewind_to(fresh.length - 1)
+        l_ref2 = fresh.extend(ids[10:11])
+        assert np.abs(l_rw - l_ref).max() < 1e-4, (arch, role)
+        assert np.abs(l_rw2 - l_ref2).max() < 1e-4, (arch, role)
+        if mm.kind == "decoder":
+            # last-position logits of a fresh prefill of the whole sequence
+            whole = np.concatenate([ids[:9], ids[20:23], ids[10:11]])
+            assert np.abs(fresh.prefill(whole) - l_rw2[-1]).max() < 1e-4, (arch, role)
+        assert l_rw.shape == (4, mm.vocab_size)
+
+
+def test_logits_survive_later_calls(tiny_bundle):
+    (be, _, mm) = _backends(tiny_bundle("gpt2"))["draft"]
+    a = be.prefill(np.array([4, 5, 6]))
+    keep = a.copy()
+    b = be.extend(np.array([7]))
+    be.extend(np.array([8]))
+    assert np.array_equal(a, keep) and b.shape == (1, mm.vocab_size)
+
+
+def test_limits_and_bad_ids(tiny_bundle):
+    (be, _, mm) = _backends(tiny_bundle("gpt2"))["target"]
+    with pytest.raises(InvalidArgumentError, match="token ids"):
+        be.prefill(np.array([4, mm.vocab_size]))
+    with pytest.raises(PromptTooLongError, match="positions"):
+        be.prefill(np.arange(mm.max_positions + 1) % 50)
+    be.prefill(np.array([4, 5]))
+    with pytest.raises(InvalidArgumentError, match="rewind_to"):
+        be.rewind_to(3)
+
+
+def test_providers():
+    assert resolve_providers(["cpu"]) == ("CPUExecutionProvider",)
+    assert resolve_providers("CPUExecutionProvider") == ("CPUExecutionProvider",)
+    with pytest.raises(ProviderError, match=r"not available.*available: .*cpu"):
+        resolve_providers(["cuda", "cpu"])
+    with pytest.raises(ProviderError, match="not available"):
+        resolve_providers(["no-such-ep"])
+    with pytest.raises(InvalidArgumentError, match="threads"):
+        SessionConfig(intra_op_threads=-1)
