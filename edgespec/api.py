@@ -240,7 +240,7 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
         from .runtimes.xla_backend import XlaBackend
 
         if "xla" not in manifest.formats:
-            raise BundleError(f"{root} has no XLA artifacts; re-export it with `edgespec export ... --format onnx,xla`")
+            raise BundleError(f"{root} has no XLA artifacts; re-export it with `edgespec export ... --format onnx+xla`")
 
         def open_model(m, cfg):
             return XlaBackend.from_dir(root / m.path, platform=platform)

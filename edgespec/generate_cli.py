@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-threads", type=int, default=None, help="intra-op threads for the draft (default: --threads)")
     parser.add_argument("--no-spin", action="store_true", help="disable ONNX Runtime thread spin-waiting")
     parser.add_argument("--runtime", choices=("onnx", "xla"), default="onnx",
-                        help="onnx (default) or xla (jax.export artifacts: export with --format onnx,xla)")
+                        help="onnx (default) or xla (jax.export artifacts: export with --format onnx+xla)")
     parser.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, tpu (default: JAX's default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, ids, sources, statistics")
     parser.add_argument("--show-drafts", action="store_true",

@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=float, default=None, help="validation tolerance, fp32 graphs (default 1e-3)")
     parser.add_argument("--quantized-atol", type=float, default=None, help="validation tolerance, int8 graphs (default 1.0)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    parser.add_argument("--format", choices=("onnx", "onnx,xla"), default="onnx",
-                        help="onnx (default), or onnx,xla to also write jax.export artifacts for the XLA runtime "
+    parser.add_argument("--format", choices=("onnx", "onnx+xla"), default="onnx",
+                        help="onnx (default), or onnx+xla to also write jax.export artifacts for the XLA runtime "
                              "(needs the xla extra: pip install 'edgespec[xla]')")
     from .xla import add_xla_arguments
 
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             import jax  # noqa: F401
         except ImportError:
-            raise InvalidArgumentError("--format onnx,xla needs JAX: pip install 'edgespec[xla]'") from None
+            raise InvalidArgumentError("--format onnx+xla needs JAX: pip install 'edgespec[xla]'") from None
         vw = args.verify_width if args.verify_width is not None else 9
         xla = dict(platforms=[p for p in args.platforms.replace(",", " ").split()], max_length=args.max_length,
                    verify_width=vw, prefill_buckets=args.prefill_buckets, max_source_length=args.max_source_length)
