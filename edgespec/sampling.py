@@ -10,17 +10,19 @@ from .config import SamplingConfig
 from .errors import NonFiniteLogitsError
 
 
-def check_finite(logits: np.ndarray, who: str = "model") -> None:
-    """-inf is a legal mask value; NaN and +inf are not, and a row may not be all -inf."""
-    # logits: [k, V]
-    if np.isfinite(logits).all():
-        return
+def _raise_non_finite(logits: np.ndarray, who: str) -> None:
     if np.isnan(logits).any() or np.isposinf(logits).any():
         raise NonFiniteLogitsError(
             f"the {who} produced NaN or +inf logits; check the exported model (re-export in fp32, "
             "or validate it with `edgespec export` against its source checkpoint)")
-    if np.isneginf(logits).all(axis=-1).any():
-        raise NonFiniteLogitsError(f"the {who} produced a row of logits that is -inf everywhere; no token can be sampled")
+    raise NonFiniteLogitsError(f"the {who} produced a row of logits that is -inf everywhere; no token can be sampled")
+
+
+def check_finite(logits: np.ndarray, who: str = "model") -> None:
+    """-inf is a legal mask value; NaN and +inf are not, and a row may not be all -inf."""
+    # logits: [k, V]. A row's max is NaN if any entry is NaN, +inf if any is +inf, -inf if all are.
+    if not np.isfinite(logits.max(axis=-1)).all():
+        _raise_non_finite(logits, who)
 
 
 def process_logits(logits: np.ndarray, cfg: SamplingConfig, who: str = "model") -> np.ndarray:
@@ -28,30 +30,32 @@ def process_logits(logits: np.ndarray, cfg: SamplingConfig, who: str = "model") 
 
     logits: [k, V] (any float dtype). Returns probs: [k, V] float64, rows sum to 1.
     """
-    check_finite(logits, who)
     k, V = logits.shape
+    m = logits.max(axis=-1, keepdims=True)                        # [k, 1]
+    if not np.isfinite(m).all():                                  # NaN, +inf, or a row all -inf
+        _raise_non_finite(logits, who)
     if cfg.greedy:
         # temperature -> 0 limit: a one-hot distribution on the argmax (first index on ties).
         probs = np.zeros((k, V))                                  # [k, V]
         probs[np.arange(k), np.argmax(logits, axis=-1)] = 1.0
         return probs
-    z = logits.astype(np.float64) / cfg.temperature               # [k, V]
+    z = (logits - m).astype(np.float64)                           # [k, V], max 0
+    if cfg.temperature != 1.0:
+        z *= 1.0 / cfg.temperature
     if 0 < cfg.top_k < V:
         # keep every logit >= the k-th largest (ties at the threshold are kept, as in HF).
         kth = np.partition(z, V - cfg.top_k, axis=-1)[:, V - cfg.top_k: V - cfg.top_k + 1]  # [k, 1]
-        z = np.where(z >= kth, z, -np.inf)
-    z = z - z.max(axis=-1, keepdims=True)
-    probs = np.exp(z)                                             # [k, V]
+        z[z < kth] = -np.inf
+    probs = np.exp(z, out=z)                                      # [k, V]
     probs /= probs.sum(axis=-1, keepdims=True)
     if cfg.top_p < 1.0:
         # nucleus: the smallest set of most likely tokens whose mass reaches top_p.
         order = np.argsort(-probs, axis=-1, kind="stable")        # [k, V]
         sorted_p = np.take_along_axis(probs, order, axis=-1)      # [k, V]
         before = np.cumsum(sorted_p, axis=-1) - sorted_p          # [k, V] mass strictly before
-        keep_sorted = before < cfg.top_p                          # [k, V]
-        keep = np.empty_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        probs = np.where(keep, probs, 0.0)
+        keep = np.empty(probs.shape, dtype=bool)                  # [k, V]
+        np.put_along_axis(keep, order, before < cfg.top_p, axis=-1)
+        probs[~keep] = 0.0
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
 
