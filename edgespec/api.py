@@ -8,11 +8,17 @@ Needs only numpy, onnxruntime and tokenizers (no torch, no transformers)::
     for piece in gen.generate("Hello", stream=True):   # pieces as they are committed
         print(piece, end="", flush=True)
 
-An ``Engine`` owns one sequence's KV caches: it is not safe to share across threads.
+An ``Engine`` owns one sequence's KV caches. It may be shared across threads: generate calls are
+serialized (a call waits until the running one, or an open stream of another thread, finishes).
+A stream holds the engine from its first step until it is exhausted, closed (``stream.close()``,
+``with`` block, ``break`` out of the ``for`` loop) or garbage-collected. In one thread, a new
+generate call supersedes a stream that is still open there: that stream then raises
+EngineBusyError instead of continuing from caches it no longer owns.
 """
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -22,7 +28,7 @@ import numpy as np
 from . import contract
 from .bundle import BundleManifest, load_bundle
 from .config import GenerationConfig, SamplingConfig
-from .errors import BundleError, InvalidArgumentError, PromptTooLongError
+from .errors import BundleError, EngineBusyError, InvalidArgumentError, PromptTooLongError, TokenizerMismatchError
 
 DEFAULT_MAX_GAMMA = 8
 
@@ -71,21 +77,109 @@ class _Detokenizer:
         return self._tok.decode(self.ids, skip_special_tokens=True)
 
 
-class TextStream:
-    """Iterator over ``StreamChunk`` s as tokens are committed; ``.result`` once it is exhausted."""
+class _Lease:
+    """The right to use an Engine's backends for one generate call (or one stream)."""
 
-    def __init__(self, blocks, detok: _Detokenizer, finish):
-        self._blocks, self._detok, self._finish = blocks, detok, finish
+    __slots__ = ("thread", "revoked")
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+        self.revoked = False
+
+
+class _EngineGuard:
+    """Serializes generate calls on one Engine. A call waits while another thread holds the engine;
+    a holder of the *same* thread can only be an open stream that is not being stepped right now
+    (the thread is here instead), so it is revoked rather than waited for (that would deadlock)."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._holder: _Lease | None = None
+        self.timeout: float | None = None  # seconds to wait for another thread; None = forever
+
+    def acquire(self) -> _Lease:
+        lease = _Lease()
+        with self._cond:
+            while self._holder is not None:
+                if self._holder.thread == lease.thread:
+                    self._holder.revoked = True
+                    break
+                if not self._cond.wait(self.timeout):
+                    raise EngineBusyError(
+                        f"the engine is still busy with another thread's generate call after {self.timeout} s; "
+                        "finish or close that stream first, or load one engine per thread (edgespec.load)")
+            self._holder = lease
+        return lease
+
+    def release(self, lease: _Lease | None) -> None:
+        if lease is None:
+            return
+        with self._cond:
+            if self._holder is lease:
+                self._holder = None
+                self._cond.notify_all()
+
+
+_SUPERSEDED = ("this stream was superseded: a later generate call on the same engine (in this thread) took over the "
+               "model's caches before the stream was finished; finish or close() a stream before starting another "
+               "generate call, or start this generation again")
+
+
+class TextStream:
+    """Iterator over ``StreamChunk`` s as tokens are committed; ``.result`` once it is exhausted.
+
+    The stream holds its engine from its first step until it is exhausted or closed (``close()``,
+    a ``with`` block, or leaving a ``for`` loop over it early)."""
+
+    def __init__(self, blocks, detok: _Detokenizer, finish, guard: _EngineGuard | None = None):
+        self._blocks, self._detok, self._finish, self._guard = blocks, detok, finish, guard
         self._result: GenerationOutput | None = None
+        self._lease: _Lease | None = None
+        self._started = self._closed = False
 
     def __iter__(self) -> Iterator[StreamChunk]:
-        while True:
-            try:
-                block = next(self._blocks)
-            except StopIteration as stop:
-                self._result = self._finish(stop.value)
+        if self._started:
+            raise InvalidArgumentError("a stream can be iterated only once; call generate(..., stream=True) again")
+        self._started = True
+        return self._steps()
+
+    def _steps(self) -> Iterator[StreamChunk]:
+        try:
+            if self._closed:
                 return
-            yield StreamChunk(self._detok.push(block), list(block))
+            if self._guard is not None:
+                self._lease = self._guard.acquire()
+            lease = self._lease
+            while not self._closed:
+                if lease is not None and lease.revoked:
+                    raise EngineBusyError(_SUPERSEDED)
+                try:
+                    block = next(self._blocks)
+                except StopIteration as stop:
+                    self._result = self._finish(stop.value)
+                    return
+                yield StreamChunk(self._detok.push(block), list(block))
+        finally:  # exhausted, error, KeyboardInterrupt in the consumer, break (generator closed), or GC
+            self.close()
+
+    def close(self) -> None:
+        """Stop generating and give the engine back (idempotent)."""
+        self._closed = True
+        lease, self._lease = self._lease, None
+        if self._guard is not None:
+            self._guard.release(lease)
+
+    def __enter__(self) -> "TextStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
 
     @property
     def result(self) -> GenerationOutput:
@@ -100,6 +194,22 @@ class Engine:
     def __init__(self, root: Path, manifest: BundleManifest, target, draft, tokenizer):
         self.root, self.manifest = root, manifest
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self._guard = _EngineGuard()
+
+    @property
+    def busy_timeout(self) -> float | None:
+        """Seconds a generate call waits for another thread's call (None: forever); then EngineBusyError."""
+        return self._guard.timeout
+
+    @busy_timeout.setter
+    def busy_timeout(self, value: float | None) -> None:
+        self._guard.timeout = value
+
+    def verify_width(self) -> int | None:
+        """Most tokens one target call may take (XLA artifacts have a fixed width); None: any (ONNX)."""
+        widths = [w for w in (getattr(b, "verify_width", None) for b in (self.target, self.draft) if b is not None)
+                  if w is not None]
+        return min(widths) if widths else None
 
     @property
     def has_draft(self) -> bool:
@@ -156,7 +266,9 @@ class Engine:
                  stream: bool = False, use_draft: bool = True, stop_token_ids: Sequence[int] = ()):
         """Generate from text or token ids.
 
-        ``temperature=0`` is greedy; ``gamma=None`` lets edgespec choose the draft length per round;
+        ``temperature=0`` is greedy; ``gamma=None`` lets edgespec choose the draft length per round.
+        With the ONNX runtime any gamma >= 1 works (the graphs take any number of new tokens); with
+        ``runtime="xla"`` gamma + 1 may not exceed the artifacts' verify width (xla.json, default 9);
         ``use_draft=False`` (or a single-model bundle) decodes plainly with the target.
         Returns a GenerationOutput, or with ``stream=True`` a TextStream of StreamChunks whose
         ``.result`` is the GenerationOutput once the stream is exhausted.
@@ -167,6 +279,20 @@ class Engine:
             raise InvalidArgumentError(f"seed must be a non-negative integer or None; got {seed!r}")
         use_draft = bool(use_draft) and self.draft is not None
         max_gamma = max(DEFAULT_MAX_GAMMA, gamma) if isinstance(gamma, int) and not isinstance(gamma, bool) else DEFAULT_MAX_GAMMA
+        width = self.verify_width() if use_draft else None
+        if width is not None:
+            # a round feeds the pending token + gamma drafts in one target call: gamma + 1 <= width
+            if isinstance(gamma, int) and not isinstance(gamma, bool) and gamma > width - 1:
+                raise InvalidArgumentError(
+                    f"gamma={gamma} exceeds what this bundle's XLA artifacts verify in one call (verify_width={width}, "
+                    f"so gamma <= {width - 1}); lower gamma or re-export with `--verify-width {gamma + 1}`")
+            if width < 2:
+                raise InvalidArgumentError(f"this bundle's XLA artifacts have verify_width={width}: no room for a draft "
+                                           "token; pass use_draft=False or re-export with --verify-width 9")
+            max_gamma = min(max_gamma, width - 1)
+        if isinstance(stop_token_ids, (str, bytes)) or not all(
+                isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in stop_token_ids):
+            raise InvalidArgumentError(f"stop_token_ids must be a sequence of integer token ids; got {stop_token_ids!r:.80}")
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
@@ -189,7 +315,7 @@ class Engine:
             return GenerationOutput(text=self.decode(result.tokens), ids=list(result.tokens), sources=list(result.sources),
                                     finish_reason=result.finish_reason, stats=result.stats, prompt_ids=ids)
 
-        stream_obj = TextStream(blocks, detok, finish)
+        stream_obj = TextStream(blocks, detok, finish, self._guard)
         if stream:
             return stream_obj
         for _ in stream_obj:
@@ -197,6 +323,13 @@ class Engine:
         return stream_obj.result
 
     def close(self) -> None:
+        lease = self._guard.acquire()  # waits for other threads' calls; supersedes this thread's stream
+        try:
+            self._close_backends()
+        finally:
+            self._guard.release(lease)
+
+    def _close_backends(self) -> None:
         self.target.free()
         if self.draft is not None:
             self.draft.free()
@@ -213,7 +346,7 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     ProviderError, there is no silent fallback. The draft defaults to the target's settings.
     ``threads``: intra-op threads (0 = ORT default); ``spinning``: thread spin-waiting on/off.
     ``runtime="xla"`` runs the bundle's jax.export artifacts instead (``edgespec export --format
-    onnx,xla``) on ``platform`` (cpu, cuda, tpu; default: JAX's default device).
+    onnx+xla``) on ``platform`` (cpu, cuda, tpu; default: JAX's default device).
     """
     from tokenizers import Tokenizer
 
@@ -246,8 +379,30 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
             return XlaBackend.from_dir(root / m.path, platform=platform)
     else:
         raise InvalidArgumentError(f"runtime must be 'onnx' or 'xla'; got {runtime!r}")
-    target = open_model(tm, target_cfg)
     draft = None
+    if load_draft and manifest.draft is not None:
+        _check_same_tokenizer(root, manifest)
+    target = open_model(tm, target_cfg)
     if load_draft and manifest.draft is not None:
         draft = open_model(manifest.draft, draft_cfg)
     return Engine(root, manifest, target, draft, tokenizer)
+
+
+def _check_same_tokenizer(root: Path, manifest: BundleManifest) -> None:
+    """Draft and target must map the same text to the same ids (the export checked it; a bundle
+    assembled or edited by hand may not)."""
+    from tokenizers import Tokenizer
+
+    paths = [root / m.path / contract.TOKENIZER_FILE for m in (manifest.target, manifest.draft)]
+    try:
+        if paths[0].read_bytes() == paths[1].read_bytes():
+            return
+        vocabs = [Tokenizer.from_file(str(p)).get_vocab(with_added_tokens=True) for p in paths]
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
+        raise BundleError(f"{paths[1]} cannot be read ({str(exc)[:200]}); re-export the bundle") from exc
+    if vocabs[0] != vocabs[1]:
+        diff = len(set(vocabs[0].items()) ^ set(vocabs[1].items()))
+        raise TokenizerMismatchError(
+            f"{root}: the draft's tokenizer differs from the target's ({diff} differing token/id entries); speculative "
+            "decoding needs one tokenizer: re-export the bundle with a draft of the target's family, or load it with "
+            "load_draft=False (--no-draft)")

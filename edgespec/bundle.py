@@ -83,7 +83,11 @@ class BundleManifest:
                 "re-export the bundle with this edgespec version (`edgespec export ...`)"
             )
         try:
+            if not isinstance(data.get("models"), dict):
+                raise TypeError(f"'models' must be an object mapping role -> model, got {type(data.get('models')).__name__}")
             models = {role: ModelManifest(**m) for role, m in data["models"].items()}
+            for role, m in models.items():
+                _check_model_fields(role, m)
             manifest = cls(
                 schema_version=version,
                 models=models,
@@ -93,8 +97,11 @@ class BundleManifest:
                 tokenizer_check=dict(data.get("tokenizer_check", {})),
                 formats=dict(data.get("formats", {})),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise BundleError(f"{where}: manifest is malformed ({exc!r}); re-export the bundle with `edgespec export`") from exc
+        if not 1 <= manifest.shared_vocab_size <= _MAX_INT or not 0 <= manifest.opset <= _MAX_INT:
+            raise BundleError(f"{where}: manifest is malformed (shared_vocab_size {manifest.shared_vocab_size}, opset "
+                              f"{manifest.opset} out of range); re-export the bundle with `edgespec export`")
         if contract.ROLE_TARGET not in models:
             raise BundleError(f"{where}: manifest has no target model; re-export the bundle with `edgespec export`")
         for role, m in models.items():
@@ -103,35 +110,102 @@ class BundleManifest:
         return manifest
 
 
+_MAX_INT = 2**31 - 1  # every count and id in a manifest fits int32; larger values are corruption
+_STR_FIELDS = ("path", "architecture", "model_type", "kind", "dtype", "quantization")
+_COUNT_FIELDS = ("vocab_size", "tokenizer_size", "num_layers", "num_kv_heads", "head_size", "max_positions")
+# Far above any real model, low enough that buffers sized from them cannot exhaust memory by themselves.
+_COUNT_MAX = {"num_layers": 4096, "num_kv_heads": 4096, "head_size": 16384, "max_positions": 1 << 24}
+_OPTIONAL_ID_FIELDS = ("bos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_model_fields(role, m: ModelManifest) -> None:
+    """Types and ranges of one model entry (raises TypeError/ValueError; from_dict wraps them)."""
+    if not isinstance(role, str) or not role:
+        raise TypeError(f"model role {role!r} is not a non-empty string")
+    for name in _STR_FIELDS:
+        if not isinstance(getattr(m, name), str):
+            raise TypeError(f"{role}.{name} must be a string, got {getattr(m, name)!r:.60}")
+    for name in _COUNT_FIELDS:
+        v, hi = getattr(m, name), _COUNT_MAX.get(name, _MAX_INT)
+        if not _is_int(v) or not 1 <= v <= hi:
+            raise ValueError(f"{role}.{name} must be an integer in [1, {hi}], got {v!r:.60}")
+    for name in _OPTIONAL_ID_FIELDS:
+        v = getattr(m, name)
+        if v is not None and (not _is_int(v) or not 0 <= v <= _MAX_INT):
+            raise ValueError(f"{role}.{name} must be null or an integer in [0, {_MAX_INT}], got {v!r:.60}")
+    if not isinstance(m.eos_token_ids, list) or not all(_is_int(i) and 0 <= i <= _MAX_INT for i in m.eos_token_ids):
+        raise ValueError(f"{role}.eos_token_ids must be a list of non-negative integers, got {m.eos_token_ids!r:.60}")
+    if not isinstance(m.files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in m.files.items()):
+        raise TypeError(f"{role}.files must map graph role -> file name (strings), got {m.files!r:.60}")
+    for v in m.files.values():
+        # a plain file name inside the model folder: no separators, no "..", not absolute
+        if not v or v in (".", "..") or "/" in v or "\\" in v or "\0" in v:
+            raise ValueError(f"{role}.files names {v!r:.60}, which is not a plain file name inside the model folder")
+    if not isinstance(m.parameter_bytes, dict) or not all(_is_int(v) for v in m.parameter_bytes.values()):
+        raise TypeError(f"{role}.parameter_bytes must map names to integers, got {m.parameter_bytes!r:.60}")
+    if not isinstance(m.validation, dict):
+        raise TypeError(f"{role}.validation must be an object, got {m.validation!r:.60}")
+
+
 def write_manifest(folder: Path, manifest: BundleManifest) -> Path:
+    """Write edgespec.json through a temporary file + fsync + rename: never a half-written manifest."""
     path = Path(folder) / contract.MANIFEST_NAME
-    path.write_text(json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n", encoding="utf-8")
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(json.dumps(manifest.to_dict(), indent=2, sort_keys=False) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
     return path
 
 
-def load_bundle(folder: str | os.PathLike) -> BundleManifest:
-    """Read and verify a bundle: manifest, files present and intact, no unsafe external data."""
+# An export writes into a temporary folder holding this marker (with the exporter's pid) and removes
+# the marker only after renaming the folder into place: a folder with the marker is never a bundle.
+PARTIAL_MARKER = ".edgespec-export-in-progress"
+MAX_MANIFEST_BYTES = 16 << 20  # real manifests are a few KB
+
+
+def load_bundle(folder: str | os.PathLike, *, allow_partial: bool = False) -> BundleManifest:
+    """Read and verify a bundle: manifest, files present and intact, no unsafe external data.
+
+    ``allow_partial`` is for the exporter only: it checks its temporary folder before the rename.
+    """
     root = Path(folder)
     if not root.is_dir():
         raise BundleError(f"bundle folder {str(root)!r} does not exist; pass the folder written by `edgespec export --out`")
+    if not allow_partial and os.path.lexists(root / PARTIAL_MARKER):
+        raise BundleError(
+            f"{str(root)!r} is an unfinished export (an `edgespec export` was interrupted or is still running); "
+            "it is not a bundle: delete it and run `edgespec export` again"
+        )
     mpath = root / contract.MANIFEST_NAME
     if not mpath.is_file():
         raise BundleError(
             f"{str(root)!r} has no {contract.MANIFEST_NAME}; it is not an edgespec bundle "
             "(or an export was interrupted): run `edgespec export` again"
         )
+    if mpath.stat().st_size > MAX_MANIFEST_BYTES:
+        raise BundleError(f"{mpath} is {mpath.stat().st_size} bytes, far larger than a manifest; re-export the bundle")
     raw = mpath.read_bytes()
     if raw.startswith(LFS_POINTER_PREFIX):
         raise BundleError(f"{mpath} is a Git LFS pointer, not the file; run `git lfs pull` in the repository")
     try:
         data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BundleError(f"{mpath} is not valid JSON ({exc}); re-export the bundle with `edgespec export`") from exc
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit, nesting
+        raise BundleError(f"{mpath} is not valid JSON ({str(exc)[:200]}); re-export the bundle with `edgespec export`") from exc
     if not isinstance(data, dict):
         raise BundleError(f"{mpath} is not a JSON object; re-export the bundle with `edgespec export`")
     manifest = BundleManifest.from_dict(data, where=str(mpath))
     for role, model in manifest.models.items():
-        check_model_folder(root, model, role)
+        try:
+            check_model_folder(root, model, role)
+        except (OSError, ValueError) as exc:  # name too long, unreadable file, embedded NUL, ...
+            raise BundleError(f"{role} model of {str(root)!r} cannot be read ({str(exc)[:300]}); copy the bundle "
+                              "again or re-export it with `edgespec export`") from exc
     return manifest
 
 
@@ -140,9 +214,11 @@ def model_dir(root: str | os.PathLike, model: ModelManifest) -> Path:
 
 
 def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
-    folder = root / model.path
-    if Path(model.path).is_absolute() or ".." in Path(model.path).parts:
+    if Path(model.path).is_absolute() or ".." in Path(model.path.replace("\\", "/")).parts:
         raise UnsafeFileError(f"manifest path {model.path!r} for {role} leaves the bundle; re-export the bundle")
+    if "\0" in model.path or not Path(model.path).parts:
+        raise BundleError(f"manifest path {model.path!r} for {role} is not a folder name; re-export the bundle")
+    folder = root / model.path
     if not folder.is_dir():
         raise BundleError(f"bundle is missing the {role} folder {str(folder)!r}; copy the whole bundle or re-export it")
     expected = contract.GRAPH_FILES[model.kind]
@@ -261,13 +337,32 @@ def onnx_external_data_locations(path: Path) -> list[str]:
                     _external_locations(buf, a, b, "graph", locations)
                 elif wt == 2 and num == 25:
                     _external_locations(buf, a, b, "function", locations)
-        except _Truncated:
+        except (_Truncated, RecursionError):
             raise BundleError(
                 f"{path} is truncated or corrupt (not a complete ONNX protobuf); copy it again or re-export the bundle"
             ) from None
         if not saw_graph:
             raise BundleError(f"{path} holds no ONNX graph (corrupt or not an ONNX file); re-export the bundle")
         return locations
+
+
+def onnx_opsets(path: Path) -> dict[str, int]:
+    """domain -> opset version from ModelProto.opset_import (field 8); {} if unreadable."""
+    out: dict[str, int] = {}
+    try:
+        with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            for num, wt, a, b in _fields(buf, 0, len(buf)):
+                if num == 8 and wt == 2:
+                    domain, version = "", 0
+                    for n2, w2, a2, b2 in _fields(buf, a, b):
+                        if n2 == 1 and w2 == 2:
+                            domain = bytes(buf[a2:b2]).decode("utf-8", "replace")
+                        elif n2 == 2 and w2 == 0:
+                            version = a2
+                    out[domain or "ai.onnx"] = version
+    except (_Truncated, OSError, ValueError):
+        pass
+    return out
 
 
 def check_onnx_file(path: Path) -> None:

@@ -219,13 +219,13 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     from tqdm.auto import tqdm
     from transformers import LlamaForCausalLM
 
-    from .pair import _batch, _lr_at
+    from .pair import _batch, _lr_at, new_llama
 
     torch.manual_seed(seed * 100 + 3)
     if init is not None:
         draft = init
     else:
-        draft = LlamaForCausalLM(size.llama_config(vocab_size, context, **special_ids))
+        draft = new_llama(size.llama_config(vocab_size, context, **special_ids))
     decay = [p for p in draft.parameters() if p.ndim >= 2]
     no_decay = [p for p in draft.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -280,7 +280,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     from transformers import LlamaForCausalLM
 
     from .corpus import encode_docs, load_documents
-    from .pair import _check_int, _write_json_atomic, heldout_windows, validation_loss
+    from .pair import _check_int, _write_json_atomic, heldout_windows, new_llama, validation_loss
 
     t0 = time.perf_counter()
     target_dir, out_dir = Path(target).expanduser(), Path(out).expanduser()
@@ -350,7 +350,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                   special_ids=special, progress=progress)
     if init_model is None:
         torch.manual_seed(seed * 100 + 3)
-        before = LlamaForCausalLM(draft_size.llama_config(vocab, ctx, **special))
+        before = new_llama(draft_size.llama_config(vocab, ctx, **special))
     else:
         before = init_model
     report["alpha_before"] = alphas(before)

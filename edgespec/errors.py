@@ -56,3 +56,19 @@ class ProviderError(EdgeSpecError):
 
 class TrainingError(EdgeSpecError):
     """A corpus or model size cannot be used for training or distillation."""
+
+
+class DiskFullError(EdgeSpecError, OSError):
+    """The disk (or a file-size limit) ran out while writing; nothing partial was kept."""
+
+
+class EngineBusyError(EdgeSpecError):
+    """An Engine is in use by another generate call (or a stream was superseded by a later call)."""
+
+
+class ModelExecutionError(BundleError):
+    """ONNX Runtime failed while running a model that loaded (a corrupt or hand-edited graph)."""
+
+
+class InsufficientMemoryError(EdgeSpecError, MemoryError):
+    """A buffer the model needs (KV cache, ...) cannot be allocated."""

@@ -136,7 +136,7 @@ PRESETS: dict[str, PairPreset] = {
         name="quick", vocab_size=2048, context=256,
         target=ModelSize(hidden=256, layers=4, heads=4, intermediate=688),
         draft=ModelSize(hidden=96, layers=1, heads=2, intermediate=256),
-        target_steps=240, draft_steps=300, batch_size=16, target_lr=2e-3, draft_lr=3e-3,
+        target_steps=300, draft_steps=300, batch_size=16, target_lr=3.5e-3, draft_lr=3e-3,
         warmup_steps=20, checkpoint_every=40, eval_windows=64,
     ),
     # Larger: an hour or two once on a laptop CPU.
@@ -241,6 +241,22 @@ def validation_loss(model, windows, batch_size: int = 16) -> float:
     return total / max(1, count)
 
 
+def new_llama(config):
+    """A freshly initialised ``LlamaForCausalLM`` whose residual-branch output projections (``o_proj``,
+    ``down_proj``) start at zero, so every layer starts as the identity. On these small budgets that
+    makes a 4-layer model learn as fast per step as a 1-layer one (instead of idling on the unigram
+    plateau); the global torch RNG must be seeded by the caller."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+                param.zero_()
+    return model
+
+
 def _atomic_torch_save(obj, path: Path) -> None:
     import torch
 
@@ -275,8 +291,6 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
-    from transformers import LlamaForCausalLM
-
     final = work / role
     info_path = work / f"{role}.json"
     if final.is_dir() and info_path.is_file():  # finished in an earlier (interrupted) run
@@ -287,7 +301,7 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
 
     def fresh():
         torch.manual_seed(seed * 100 + salt)
-        m = LlamaForCausalLM(config)
+        m = new_llama(config)
         m.generation_config.pad_token_id = special_ids["pad_token_id"]
         decay = [p for p in m.parameters() if p.ndim >= 2]
         no_decay = [p for p in m.parameters() if p.ndim < 2]

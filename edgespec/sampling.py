@@ -41,7 +41,7 @@ def process_logits(logits: np.ndarray, cfg: SamplingConfig, who: str = "model") 
         return probs
     z = (logits - m).astype(np.float64)                           # [k, V], max 0
     if cfg.temperature != 1.0:
-        z *= 1.0 / cfg.temperature
+        z /= cfg.temperature  # not *= 1/T: 1/T overflows to inf for subnormal T, and 0 * inf is NaN
     if 0 < cfg.top_k < V:
         # keep every logit >= the k-th largest (ties at the threshold are kept, as in HF).
         kth = np.partition(z, V - cfg.top_k, axis=-1)[:, V - cfg.top_k: V - cfg.top_k + 1]  # [k, 1]

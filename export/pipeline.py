@@ -7,9 +7,11 @@ temporary folder, so nothing that looks like a bundle is ever left behind.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -19,8 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from edgespec import contract
-from edgespec.bundle import BundleManifest, ModelManifest, load_bundle, write_manifest
-from edgespec.errors import InvalidArgumentError, OutputExistsError, UnsupportedArchitectureError
+from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
+from edgespec.errors import DiskFullError, InvalidArgumentError, OutputExistsError, UnsupportedArchitectureError
 
 from . import graph_info, validate
 from .checkpoint import Checkpoint, inspect_checkpoint
@@ -75,7 +77,7 @@ def check_output(out: Path, inputs: list[Path], overwrite: bool) -> Path:
             raise OutputExistsError(f"input checkpoint {str(src)!r} lies inside the output folder {str(out)!r}; choose another output folder")
     if dest.exists() and not dest.is_dir():
         raise OutputExistsError(f"output {str(out)!r} exists and is not a folder; choose another path")
-    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
+    if dest.is_dir() and any(dest.iterdir()) and not overwrite and not _is_stale_partial(dest):
         raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; choose another path or pass --overwrite")
     return dest
 
@@ -215,9 +217,16 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         tok_record = shared_vocab(load_vocab(t.path), load_vocab(d.path),
                                   int(t.config.get("vocab_size", 0)), int(d.config.get("vocab_size", 0)))
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(dest)
+        _check_free_space(dest.parent, roles, xla is not None)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    except OSError as exc:
+        raise _as_disk_full(exc, dest.parent, roles) or exc
+    try:
+        # The marker makes the folder "not a bundle" for load_bundle until it is renamed into place.
+        (tmp / PARTIAL_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
         models, opset = {}, 0
         for role, ckpt in roles.items():
             quant = options.quantize_target if role == contract.ROLE_TARGET else options.quantize_draft
@@ -245,7 +254,7 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
             tokenizer_check=tok_record,
         )
         write_manifest(tmp, manifest)
-        load_bundle(tmp)  # the reader must accept what the writer wrote
+        load_bundle(tmp, allow_partial=True)  # the reader must accept what the writer wrote
         progress(f"writing {dest}")
         if dest.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
@@ -254,7 +263,119 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, dest)
-    except BaseException:
+        # Killed before this line: dest holds the marker, does not load, and the next export of
+        # the same --out replaces it (check_output treats it as our own stale leftover).
+        (dest / PARTIAL_MARKER).unlink()
+        _fsync_dir(dest.parent)
+    except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        full = _as_disk_full(exc, dest.parent, roles)
+        if full is not None:
+            raise full from exc
+        raise
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        full = _as_disk_full(exc, dest.parent, roles)  # a library may wrap the OSError in its own error
+        if full is not None:
+            raise full from exc
         raise
     return manifest
+
+
+# ---- interrupted exports and full disks ----------------------------------------------------------
+_DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
+_DISK_FULL_TEXT = ("No space left on device", "File too large", "Disk quota exceeded")
+
+
+def _marker_owner_alive(folder: Path) -> bool:
+    """Whether the export that wrote ``folder``'s marker may still be running (unknown -> True)."""
+    try:
+        info = json.loads((folder / PARTIAL_MARKER).read_text())
+        pid, host = int(info["pid"]), str(info["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # unreadable marker: the process died while writing it
+    if host != socket.gethostname():
+        return True  # another machine (shared disk): cannot tell, leave it
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _is_stale_partial(folder: Path) -> bool:
+    return os.path.lexists(folder / PARTIAL_MARKER) and not _marker_owner_alive(folder)
+
+
+def _remove_stale_partials(dest: Path) -> None:
+    """Delete temporary folders of earlier exports to ``dest`` that were killed (SIGKILL, power loss)."""
+    for p in dest.parent.glob(f".{dest.name}.partial-*"):
+        if p.is_dir() and not p.is_symlink() and _is_stale_partial(p):
+            shutil.rmtree(p, ignore_errors=True)
+    if dest.is_dir() and _is_stale_partial(dest):
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _estimate_bytes(roles: dict[str, Checkpoint], with_xla: bool) -> int:
+    """Rough size of the bundle: fp32 weights per model (ONNX graphs hold them once; XLA once more)."""
+    total = 0
+    for ckpt in roles.values():
+        weights = sum(p.stat().st_size for p in ckpt.path.glob("*.safetensors"))
+        dtype = str(ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "float32")
+        fp32 = weights * (2 if ("16" in dtype) else 1)
+        copies = 2 if ckpt.kind == contract.KIND_SEQ2SEQ else 1  # two decoder graphs
+        total += fp32 * (copies + (1 if with_xla else 0)) + (1 << 20)
+    return total
+
+
+def _check_free_space(folder: Path, roles: dict[str, Checkpoint], with_xla: bool) -> None:
+    need = _estimate_bytes(roles, with_xla)
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise DiskFullError(
+            f"not enough disk space for the export: about {_mib(need)} needed, {_mib(free)} free on the disk "
+            f"holding {str(folder)!r}; free some space or choose an --out on another disk")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+def _as_disk_full(exc: BaseException, folder: Path, roles: dict[str, Checkpoint]) -> DiskFullError | None:
+    """A DiskFullError if ``exc`` (or an exception it wraps) says the disk or a file-size limit ran out."""
+    seen = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DiskFullError):
+            return None
+        if (isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS) or any(t in str(e) for t in _DISK_FULL_TEXT):
+            try:
+                free = _mib(shutil.disk_usage(folder).free)
+            except OSError:
+                free = "unknown"
+            what = ("a file-size limit (ulimit -f) was reached" if isinstance(e, OSError) and e.errno == errno.EFBIG
+                    else "the disk is full")
+            return DiskFullError(
+                f"export failed: {what} while writing into {str(folder)!r} ({e}); the export needs about "
+                f"{_mib(_estimate_bytes(roles, False))} (free now: {free}). Nothing was written: free some space "
+                "(or raise the limit) or choose an --out on another disk, then run the export again")
+        e = e.__cause__ or e.__context__
+    return None

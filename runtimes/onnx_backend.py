@@ -30,7 +30,14 @@ import numpy as np
 
 from edgespec import contract
 from edgespec.bundle import ModelManifest
-from edgespec.errors import BundleError, InvalidArgumentError, PromptTooLongError, ProviderError
+from edgespec.errors import (
+    BundleError,
+    InsufficientMemoryError,
+    InvalidArgumentError,
+    ModelExecutionError,
+    PromptTooLongError,
+    ProviderError,
+)
 
 # Short names accepted on the command line and in the API -> ONNX Runtime provider names.
 PROVIDER_ALIASES: dict[str, str] = {
@@ -99,6 +106,11 @@ class SessionConfig:
             raise InvalidArgumentError(f"threads must be an integer >= 0 (0 = ONNX Runtime default); got {t!r}")
 
 
+def _one_line(exc: BaseException, limit: int = 1000) -> str:
+    """ONNX Runtime's message on one line (its messages end with newlines), shortened."""
+    return " ".join(str(exc).split())[:limit]
+
+
 def make_session(path: Path, cfg: SessionConfig):
     import onnxruntime as ort
 
@@ -114,7 +126,18 @@ def make_session(path: Path, cfg: SessionConfig):
     try:
         sess = ort.InferenceSession(str(path), opts, providers=list(providers))
     except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, Fail, ...)
-        raise BundleError(f"ONNX Runtime cannot load {path}: {exc}; re-export the bundle") from exc
+        from edgespec.bundle import onnx_opsets
+
+        msg = _one_line(exc)
+        if "opset" in msg.lower():
+            opsets = ", ".join(f"{d} {v}" for d, v in onnx_opsets(path).items()) or "unknown"
+            raise BundleError(
+                f"ONNX Runtime {ort.__version__} cannot load {path}: the model uses opset(s) {opsets}, which this "
+                f"onnxruntime does not support ({msg[-200:].strip()}); upgrade onnxruntime (pip install -U onnxruntime) "
+                "or re-export the bundle with a supported opset (`edgespec export --opset N`)"
+            ) from exc
+        raise BundleError(f"ONNX Runtime cannot load {path}: {msg}; the file is corrupt or not an edgespec "
+                          "export: re-export the bundle") from exc
     missing = [p for p in providers if p not in sess.get_providers()]
     if missing:
         raise ProviderError(
@@ -136,9 +159,10 @@ def _float_type(sess, name: str):
 class _Binder:
     """Thin, allocation-free access to an IOBinding: names and the CPU device are resolved once."""
 
-    def __init__(self, sess):
+    def __init__(self, sess, where: str = "model"):
         from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
+        self._where = where
         self._io = sess.io_binding()
         # The public IOBinding methods rebuild an OrtDevice and do bookkeeping on every call; the
         # underlying C binding takes the same arguments, so the hot path calls it directly.
@@ -153,7 +177,12 @@ class _Binder:
         self._c.bind_output(name, self._dev, dtype, shape, ptr)
 
     def run(self) -> None:
-        self._run(self._c, None)
+        try:  # free when nothing is raised (zero-cost exceptions)
+            self._run(self._c, None)
+        except Exception as exc:  # ORT's Fail / InvalidArgument / RuntimeException
+            raise ModelExecutionError(
+                f"ONNX Runtime failed running {self._where}: {_one_line(exc)}; the graph does not match its "
+                "manifest (corrupt or hand-edited file): re-export the bundle with `edgespec export`") from exc
 
 
 class _KVPingPong:
@@ -163,7 +192,13 @@ class _KVPingPong:
         self.heads, self.head_size, self.capacity, self.dtype = heads, head_size, capacity, dtype
         size = heads * capacity * head_size
         # np.empty: pages are committed only when first written, so a large max_length is cheap.
-        self.buffers = [[np.empty(size, dtype=dtype) for _ in range(n_tensors)] for _side in range(2)]
+        try:
+            self.buffers = [[np.empty(size, dtype=dtype) for _ in range(n_tensors)] for _side in range(2)]
+        except (MemoryError, ValueError) as exc:
+            gib = 2 * n_tensors * size * np.dtype(dtype).itemsize / 2**30
+            raise InsufficientMemoryError(
+                f"cannot allocate the KV cache ({gib:.3g} GiB for {capacity} positions x {heads} heads x {head_size}); "
+                "use a machine with more memory or a bundle exported with fewer max positions") from exc
         self.ptrs = [[b.ctypes.data for b in side] for side in self.buffers]
         self.side = 0  # side holding the current cache
         self.physical = 0  # tokens stored in that side (layout [1, H, physical, D])
@@ -212,18 +247,25 @@ class OnnxDecoderBackend:
             raise BundleError(f"{folder}: model kind {model.kind!r} is not decoder-only; use OnnxSeq2SeqBackend")
         self.vocab_size = model.vocab_size
         self.max_length = model.max_positions
-        self._sess = make_session(Path(folder) / model.files["decoder"], session)
+        path = Path(folder) / model.files["decoder"]
+        self._sess = make_session(path, session)
         names = {i.name for i in self._sess.get_inputs()}
         self._past = contract.decoder_past_names(model.num_layers)
         self._present = contract.decoder_present_names(model.num_layers)
-        if not set(self._past) <= names:
-            raise BundleError(f"{folder}: graph inputs do not match the manifest's {model.num_layers} layers; re-export")
+        check_graph_io(self._sess, path, model,
+                       required_inputs=(contract.INPUT_IDS, *self._past),
+                       optional_inputs=(contract.ATTENTION_MASK, contract.POSITION_IDS),
+                       required_outputs=(contract.LOGITS, *self._present))
+        if contract.POSITION_IDS not in names and model.model_type in POSITION_IDS_MODEL_TYPES:
+            raise BundleError(
+                f"{path}: the graph has no {contract.POSITION_IDS} input, but {model.model_type} graphs written by "
+                "`edgespec export` take one; this file was not made by edgespec: re-export the bundle")
         self._has_mask = contract.ATTENTION_MASK in names
         self._has_pos = contract.POSITION_IDS in names
         self._dtype = _float_type(self._sess, self._past[0])
         self._logits_dtype = _float_type_out(self._sess, contract.LOGITS)
         self._kv = _KVPingPong(len(self._past), model.num_kv_heads, model.head_size, self.max_length, self._dtype)
-        self._bind = _Binder(self._sess)
+        self._bind = _Binder(self._sess, path.name)
         # Constant helper inputs: attention_mask is all ones (one unpadded sequence), position_ids
         # are an arange; a call binds a prefix / a window of them by pointer arithmetic.
         self._ones = np.ones(self.max_length, dtype=np.int64)
@@ -277,6 +319,46 @@ class OnnxDecoderBackend:
         self._kv.physical = 0
 
 
+# Model types whose decoder graphs, as exported by optimum-onnx (edgespec export), take position_ids.
+POSITION_IDS_MODEL_TYPES = frozenset({"gpt2", "llama", "mistral", "qwen2", "qwen3", "gpt_neox", "phi3", "opt"})
+
+
+def check_graph_io(sess, path: Path, model: ModelManifest, required_inputs, optional_inputs, required_outputs) -> None:
+    """The graph takes exactly the inputs the runtime binds and has the outputs it reads, with KV and
+    logits dimensions that match the manifest; BundleError naming what differs otherwise."""
+    inputs = {i.name: i for i in sess.get_inputs()}
+    outputs = {o.name: o for o in sess.get_outputs()}
+    missing = [n for n in required_inputs if n not in inputs]
+    extra = [n for n in inputs if n not in required_inputs and n not in optional_inputs]
+    missing_out = [n for n in required_outputs if n not in outputs]
+    problems = []
+    if missing:
+        problems.append(f"missing input(s) {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+    if extra:
+        problems.append(f"unexpected input(s) {', '.join(extra[:6])}")
+    if missing_out:
+        problems.append(f"missing output(s) {', '.join(missing_out[:6])}{' ...' if len(missing_out) > 6 else ''}")
+    if not problems:
+        expect = {1: model.num_kv_heads, 3: model.head_size}
+        for name in required_inputs:
+            shape = inputs[name].shape
+            if name.startswith("past_key_values.") and ".encoder." not in name:
+                for axis, want in expect.items():
+                    got = shape[axis] if len(shape) == 4 else None
+                    if len(shape) != 4 or (isinstance(got, int) and got != want):
+                        problems.append(f"{name} has shape {shape}, the manifest says [batch, {model.num_kv_heads}, "
+                                        f"seq, {model.head_size}]")
+                        break
+            if problems:
+                break
+        lshape = outputs[contract.LOGITS].shape if contract.LOGITS in outputs else None
+        if lshape is not None and (len(lshape) != 3 or (isinstance(lshape[2], int) and lshape[2] != model.vocab_size)):
+            problems.append(f"logits have shape {lshape}, the manifest says vocab {model.vocab_size}")
+    if problems:
+        raise BundleError(f"{path}: the graph does not match the edgespec contract for a {model.num_layers}-layer "
+                          f"{model.model_type} ({'; '.join(problems)}); re-export the bundle with `edgespec export`")
+
+
 def _float_type_out(sess, name: str):
     t = next(o.type for o in sess.get_outputs() if o.name == name)
     return np.float16 if t == "tensor(float16)" else np.float32
@@ -305,7 +387,20 @@ class OnnxSeq2SeqBackend:
         self._logits_dtype = _float_type_out(self._dec, contract.LOGITS)
         self._heads, self._head = model.num_kv_heads, model.head_size
         self._kv = _KVPingPong(len(self._self_past), self._heads, self._head, self.max_length, self._dtype)
-        self._b0, self._b = _Binder(self._dec0), _Binder(self._dec)
+        enc_path, dec0_path, dec_path = (folder / model.files[r] for r in ("encoder", "decoder", "decoder_with_past"))
+        check_graph_io(self._enc, enc_path, model, required_inputs=(contract.ENCODER_INPUT_IDS, contract.ENCODER_ATTENTION_MASK),
+                       optional_inputs=(), required_outputs=(contract.ENCODER_OUTPUT,))
+        check_graph_io(self._dec0, dec0_path, model,
+                       required_inputs=(contract.DECODER_INPUT_IDS, contract.DECODER_ENCODER_HIDDEN_STATES,
+                                        contract.DECODER_ENCODER_ATTENTION_MASK),
+                       optional_inputs=(), required_outputs=(contract.LOGITS, *self._self_present, *self._cross_present))
+        check_graph_io(self._dec, dec_path, model,
+                       required_inputs=(contract.DECODER_INPUT_IDS, contract.DECODER_ENCODER_ATTENTION_MASK,
+                                        *self._self_past, *self._cross_past),
+                       optional_inputs=(),
+                       required_outputs=(contract.LOGITS, *self._self_present))
+        self._b0, self._b = _Binder(self._dec0, dec0_path.name), _Binder(self._dec, dec_path.name)
+        self._enc_name = enc_path.name
         self._len = 0
         self._ids = None
         self._enc_state = None  # (hidden, mask, cross KV arrays) of the current prompt
@@ -321,7 +416,11 @@ class OnnxSeq2SeqBackend:
         mask = np.ones_like(src)
         # The encoder runs once per prompt; its output only feeds the first decoder call, which
         # returns the cross-attention KV reused (bound, never copied) by every later call.
-        (hidden,) = self._enc.run([contract.ENCODER_OUTPUT], {contract.ENCODER_INPUT_IDS: src, contract.ENCODER_ATTENTION_MASK: mask})
+        try:
+            (hidden,) = self._enc.run([contract.ENCODER_OUTPUT], {contract.ENCODER_INPUT_IDS: src, contract.ENCODER_ATTENTION_MASK: mask})
+        except Exception as exc:
+            raise ModelExecutionError(f"ONNX Runtime failed running {self._enc_name}: {_one_line(exc)}; the graph does not "
+                                      "match its manifest (corrupt or hand-edited file): re-export the bundle") from exc
         s = src.shape[1]
         cross = [np.empty((1, self._heads, s, self._head), dtype=self._dtype) for _ in self._cross_present]
         self._enc_state = (np.ascontiguousarray(hidden), mask, cross)

@@ -1,0 +1,119 @@
+"""Peers side by side on the same pair, prompts and machine: Hugging Face transformers plain
+generate vs assisted generation (PyTorch, CPU), and onnxruntime-genai if it is installed.
+
+    python benchmarks/peers.py --pair ~/.cache/edgespec/pairs/<pair> --out benchmarks/results/<tag>
+
+edgespec's own plain and speculative tokens/s are measured in the same run (interleaved with the
+peers per repeat), so every ratio compares numbers taken minutes apart on one machine.
+A peer that is not installed is skipped and the output says so.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edgespec.prompts import CODE_PROMPTS
+from edgespec.report import machine_description, write_json
+
+
+def log(msg: str) -> None:
+    print(f"[peers] {msg}", file=sys.stderr, flush=True)
+
+
+def hf_runner(pair: Path, threads: int):
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None, "transformers/torch not installed (pip install 'edgespec[export]')"
+    torch.set_num_threads(threads)
+    target = AutoModelForCausalLM.from_pretrained(pair / "target", use_safetensors=True).eval()
+    draft = AutoModelForCausalLM.from_pretrained(pair / "draft", use_safetensors=True).eval()
+
+    def run(ids, max_new, temperature, assisted, seed, gamma):
+        torch.manual_seed(seed)
+        kw = dict(max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
+        kw.update(do_sample=False) if temperature == 0 else kw.update(do_sample=True, temperature=temperature, top_k=0)
+        if assisted:
+            draft.generation_config.num_assistant_tokens = gamma
+            draft.generation_config.num_assistant_tokens_schedule = "constant"
+            kw["assistant_model"] = draft
+        with torch.no_grad():
+            out = target.generate(torch.tensor([ids]), **kw)
+        return out.shape[1] - len(ids)
+
+    return run, None
+
+
+def genai_runner(bundle: Path):
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        return None, "onnxruntime-genai not installed (its builder needs transformers 5: install it in its own environment)"
+    return None, "onnxruntime-genai is installed but no genai_config.json adapter is wired here yet"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", type=Path, required=True)
+    ap.add_argument("--bundle", type=Path, default=None, help="exported bundle of the pair (default <pair>/bundle)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    import edgespec
+
+    bundle = args.bundle or args.pair / "bundle"
+    eng = edgespec.load(bundle, threads=args.threads, spinning=False)
+    prompts = [eng.encode(p) for p in CODE_PROMPTS[:4]]
+    hf, hf_note = hf_runner(args.pair, args.threads)
+    _, genai_note = genai_runner(bundle)
+    notes = {"transformers": hf_note or "measured", "onnxruntime-genai": genai_note}
+    for k, v in notes.items():
+        log(f"{k}: {v}")
+    systems = {
+        "edgespec plain": lambda ids, t, s: len(eng.generate(ids, max_new_tokens=args.max_new_tokens, temperature=t,
+                                                             seed=s, use_draft=False).ids),
+        "edgespec speculative": lambda ids, t, s: len(eng.generate(ids, max_new_tokens=args.max_new_tokens,
+                                                                   temperature=t, seed=s, gamma=args.gamma).ids),
+    }
+    if hf is not None:
+        systems["transformers plain"] = lambda ids, t, s: hf(ids, args.max_new_tokens, t, False, s, args.gamma)
+        systems["transformers assisted"] = lambda ids, t, s: hf(ids, args.max_new_tokens, t, True, s, args.gamma)
+    results = {}
+    for t in (0.0, 1.0):
+        tps = {name: [] for name in systems}
+        for rep in range(args.repeats + 1):
+            for name, fn in systems.items():
+                t0, n = time.perf_counter(), 0
+                for i, ids in enumerate(prompts):
+                    n += fn(ids, t, 1000 * rep + i)
+                if rep:  # repeat 0 is the warm-up
+                    tps[name].append(n / (time.perf_counter() - t0))
+            log(f"T={t:g} repeat {rep}/{args.repeats}" + (" (warm-up)" if rep == 0 else ""))
+        base = statistics.median(tps["edgespec speculative"])
+        results[f"T={t:g}"] = {name: {"tokens_per_s": statistics.median(v), "all": v,
+                                      "ratio_to_edgespec_speculative": statistics.median(v) / base}
+                               for name, v in tps.items()}
+    payload = {"pair": str(args.pair), "machine": machine_description(), "threads": args.threads, "gamma": args.gamma,
+               "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "notes": notes, "results": results,
+               "command": " ".join(sys.argv)}
+    write_json(args.out / "peers.json", payload)
+    for temp, res in results.items():
+        print(f"{temp}:")
+        for name, r in res.items():
+            print(f"  {name:<24} {r['tokens_per_s']:8.1f} tok/s   {r['ratio_to_edgespec_speculative']:.2f}x of edgespec speculative")
+    for k, v in notes.items():
+        print(f"{k}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

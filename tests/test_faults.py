@@ -1,0 +1,296 @@
+"""Issue 9, faults: exports killed at random moments or out of disk, engines shared by threads,
+generation interrupted mid-stream."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from edgespec import contract
+from edgespec.api import load
+from edgespec.bundle import PARTIAL_MARKER, load_bundle
+from edgespec.cli import main
+from edgespec.errors import BundleError, DiskFullError, EngineBusyError, OutputExistsError
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "the quick brown fox jumps over"
+
+
+# ------------------------------------------------------------------------- killed exports
+def _export_cmd(target, draft, out):
+    return [sys.executable, "-m", "edgespec.cli", "export", "--target", str(target), "--draft", str(draft),
+            "--out", str(out)]
+
+
+def _loads(folder: Path) -> bool:
+    try:
+        load_bundle(folder)
+        return True
+    except BundleError:
+        return False
+
+
+def _assert_no_partial_bundle(out: Path, reference: dict) -> None:
+    for p in out.parent.glob(f".{out.name}.partial-*"):
+        assert not _loads(p), f"{p} loads as a bundle"
+    if out.exists() and _loads(out):
+        # only possible when the kill came after the commit (rename + marker removal): then it is whole
+        data = json.loads((out / contract.MANIFEST_NAME).read_text())
+        assert {r: m["files"] for r, m in data["models"].items()} == reference
+        eng = load(out, threads=1)
+        assert len(eng.generate(PROMPT, max_new_tokens=4, temperature=0).ids) == 4
+
+
+KILL_POINTS = [0.5, 1.5, 3.0, "target: exporting ONNX graphs", "target: validating", "draft: loading", "writing "]
+
+
+@pytest.mark.parametrize("when", KILL_POINTS, ids=[str(k) for k in KILL_POINTS])
+def test_sigkilled_export_leaves_no_bundle_and_rerun_succeeds(tiny_checkpoints, tiny_bundle, tmp_path, capsys, when):
+    target, draft = tiny_checkpoints("gpt2")
+    reference = {r: m.files for r, m in load_bundle(tiny_bundle("gpt2")).models.items()}
+    out = tmp_path / "bundle"
+    proc = subprocess.Popen(_export_cmd(target, draft, out), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        if isinstance(when, float):
+            time.sleep(when)
+        else:
+            for line in proc.stderr:  # progress lines: "[edgespec export] <role>: <step>"
+                if when in line:
+                    break
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+        proc.stderr.close()
+    _assert_no_partial_bundle(out, reference)
+    # rerun the same command (with --overwrite only if the first run had already committed)
+    extra = ["--overwrite"] if out.exists() and _loads(out) else []
+    assert main(["export", "--target", str(target), "--draft", str(draft), "--out", str(out), "--quiet", *extra]) == 0
+    capsys.readouterr()
+    assert _loads(out) and not (out / PARTIAL_MARKER).exists()
+    assert not list(tmp_path.glob(".bundle.partial-*")), "stale temporary folders were not cleaned"
+
+
+def test_kill_between_rename_and_commit_is_recovered(tiny_checkpoints, tiny_bundle, tmp_path, capsys):
+    """The only window where --out exists before the export is complete: it holds the marker of a
+    dead process, never loads, and the next export replaces it without --overwrite."""
+    import shutil
+
+    target, draft = tiny_checkpoints("gpt2")
+    out = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle("gpt2"), out)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / PARTIAL_MARKER).write_text(json.dumps({"pid": dead.pid, "host": os.uname().nodename}))
+    with pytest.raises(BundleError, match="unfinished export.*delete it and run `edgespec export` again"):
+        load_bundle(out)
+    rc = main(["generate", str(out), "--prompt", "x"])
+    assert rc != 0 and "unfinished export" in capsys.readouterr().err
+    # a live exporter's folder is left alone
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other = tmp_path / ".bundle.partial-live"
+        other.mkdir()
+        (other / PARTIAL_MARKER).write_text(json.dumps({"pid": live.pid, "host": os.uname().nodename}))
+        assert main(["export", "--target", str(target), "--draft", str(draft), "--out", str(out), "--quiet"]) == 0
+        assert other.is_dir() and _loads(out) and not (out / PARTIAL_MARKER).exists()
+    finally:
+        live.kill()
+        live.wait()
+    capsys.readouterr()
+
+
+# ------------------------------------------------------------------------------ disk full
+def test_file_size_limit_in_a_child_export(tiny_checkpoints, tmp_path):
+    target, draft = tiny_checkpoints("gpt2")
+    out = tmp_path / "bundle"
+    limit = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)); "
+    code = limit + f"import sys; from edgespec.cli import main; sys.exit(main({[*_export_cmd(target, draft, out)[3:]]!r}))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "file-size limit" in proc.stderr and "Nothing was written" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".bundle.*"))
+
+
+@pytest.mark.parametrize("where", ["tokenizer copy", "manifest"])
+def test_disk_full_while_writing(tiny_checkpoints, tmp_path, monkeypatch, capsys, where):
+    from edgespec.export import pipeline
+
+    def enospc(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    if where == "tokenizer copy":
+        monkeypatch.setattr(pipeline.shutil, "copy2", enospc)
+    else:
+        monkeypatch.setattr(pipeline, "write_manifest", enospc)
+    target, draft = tiny_checkpoints("gpt2")
+    out = tmp_path / "bundle"
+    with pytest.raises(DiskFullError, match="disk is full.*needs about .* MiB.*Nothing was written"):
+        pipeline.export_bundle(target, out, draft=draft, progress=None)
+    assert main(["export", "--target", str(target), "--draft", str(draft), "--out", str(out), "--quiet"]) != 0
+    err = capsys.readouterr().err
+    assert "disk is full" in err and "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".bundle.*"))
+
+
+def test_not_enough_free_space_is_refused_before_any_work(tiny_checkpoints, tmp_path, monkeypatch, capsys):
+    from edgespec.export import pipeline
+
+    monkeypatch.setattr(pipeline.shutil, "disk_usage", lambda p: type("Usage", (), {"free": 1000})())
+    target, _ = tiny_checkpoints("gpt2")
+    out = tmp_path / "bundle"
+    assert main(["export", "--model", str(target), "--out", str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "not enough disk space" in err and "needed" in err and "1000" not in err and "Traceback" not in err
+    assert not out.exists() and not list(tmp_path.glob(".bundle.*"))
+
+
+# ---------------------------------------------------------------------- threads and streams
+@pytest.fixture(scope="module")
+def engine(tiny_bundle):
+    return load(tiny_bundle("gpt2"), threads=1)
+
+
+def _reference(bundle, seeds, **kw):
+    eng = load(bundle, threads=1)
+    return {s: eng.generate(PROMPT, seed=s, **kw).ids for s in seeds}
+
+
+KW = dict(max_new_tokens=24, temperature=1.0, gamma=3)
+
+
+def test_threads_share_one_engine(engine, tiny_bundle):
+    seeds = list(range(8))
+    ref = _reference(tiny_bundle("gpt2"), seeds, **KW)
+    results, errors = {}, []
+    barrier = threading.Barrier(len(seeds))
+
+    def work(seed, stream):
+        try:
+            barrier.wait()
+            for _ in range(3):
+                if stream:
+                    s = engine.generate(PROMPT, seed=seed, stream=True, **KW)
+                    ids = []
+                    for chunk in s:
+                        ids += chunk.ids
+                        time.sleep(0.001)  # let other threads try to get in mid-stream
+                    assert ids == s.result.ids
+                else:
+                    ids = engine.generate(PROMPT, seed=seed, **KW).ids
+                results.setdefault(seed, []).append(ids)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s, s % 2 == 0)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert all(results[s] == [ref[s]] * 3 for s in seeds)
+
+
+def test_second_stream_in_the_same_thread_supersedes_the_first(engine, tiny_bundle):
+    ref = _reference(tiny_bundle("gpt2"), [1, 2], **KW)
+    first = iter(engine.generate(PROMPT, seed=1, stream=True, **KW))
+    next(first)
+    assert engine.generate(PROMPT, seed=2, **KW).ids == ref[2]  # not corrupted by the open stream
+    with pytest.raises(EngineBusyError, match="superseded.*finish or close"):
+        next(first)
+    assert engine.generate(PROMPT, seed=1, **KW).ids == ref[1]
+    second = engine.generate(PROMPT, seed=2, stream=True, **KW)
+    with pytest.raises(Exception, match="iterated only once"):
+        list(second), list(second)
+
+
+def test_busy_timeout_refuses_clearly(engine, tiny_bundle):
+    ref = _reference(tiny_bundle("gpt2"), [3], **KW)
+    started, release = threading.Event(), threading.Event()
+
+    def hold():
+        s = engine.generate(PROMPT, seed=3, stream=True, **KW)
+        it = iter(s)
+        next(it)
+        started.set()
+        release.wait(30)
+        s.close()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    started.wait(30)
+    engine.busy_timeout = 0.2
+    try:
+        with pytest.raises(EngineBusyError, match="busy with another thread"):
+            engine.generate(PROMPT, seed=3, **KW)
+    finally:
+        engine.busy_timeout = None
+        release.set()
+        t.join(30)
+    assert engine.generate(PROMPT, seed=3, **KW).ids == ref[3]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+@pytest.mark.parametrize("how", ["break", "close", "keyboard-interrupt-in-consumer", "keyboard-interrupt-in-model",
+                                 "abandoned-iterator"])
+def test_interrupted_stream_leaves_the_engine_usable(tiny_bundle, arch, how):
+    bundle = tiny_bundle(arch)
+    kw = dict(max_new_tokens=20, temperature=0.9, gamma=3)
+    fresh = load(bundle, threads=1).generate(PROMPT, seed=5, **kw).ids
+    eng = load(bundle, threads=1)
+    s = eng.generate(PROMPT, seed=11, stream=True, **kw)
+    keep = None
+    if how == "break":
+        for i, _ in enumerate(s):
+            if i == 2:
+                break
+    elif how == "close":
+        it = iter(s)
+        next(it), next(it)
+        s.close()
+        assert list(it) == []
+    elif how == "keyboard-interrupt-in-consumer":
+        with pytest.raises(KeyboardInterrupt):
+            for i, _ in enumerate(s):
+                if i == 2:
+                    raise KeyboardInterrupt
+    elif how == "keyboard-interrupt-in-model":
+        real, calls = eng.target.extend, []
+
+        def interrupted(ids):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+            return real(ids)
+
+        eng.target.extend = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            list(s)
+        del eng.target.extend
+    else:  # the consumer keeps its iterator but never resumes it
+        keep = iter(s)
+        next(keep)
+    assert eng.generate(PROMPT, seed=5, **kw).ids == fresh
+    assert [t for c in eng.generate(PROMPT, seed=5, stream=True, **kw) for t in c.ids] == fresh
+    del keep
+
+
+def test_keyboard_interrupt_in_cli_generate(tiny_bundle, monkeypatch, capsys):
+    from edgespec import api
+
+    def interrupt(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(api.Engine, "generate", interrupt)
+    assert main(["generate", str(tiny_bundle("gpt2")), "--prompt", "x"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted" in err and "Traceback" not in err
