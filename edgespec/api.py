@@ -131,7 +131,7 @@ class TextStream:
     The stream holds its engine from its first step until it is exhausted or closed (``close()``,
     a ``with`` block, or leaving a ``for`` loop over it early)."""
 
-    def __init__(self, blocks, detok: _Detokenizer, finish, guard: _EngineGuard | None = None):
+    def __init__(self, blocks, detok: _Detokenizer | None, finish, guard: _EngineGuard | None = None):
         self._blocks, self._detok, self._finish, self._guard = blocks, detok, finish, guard
         self._result: GenerationOutput | None = None
         self._lease: _Lease | None = None
@@ -158,7 +158,8 @@ class TextStream:
                 except StopIteration as stop:
                     self._result = self._finish(stop.value)
                     return
-                yield StreamChunk(self._detok.push(block), list(block))
+                # without a detokenizer (the non-streaming call) no text is decoded per block
+                yield StreamChunk(self._detok.push(block) if self._detok is not None else "", list(block))
         finally:  # exhausted, error, KeyboardInterrupt in the consumer, break (generator closed), or GC
             self.close()
 
@@ -309,7 +310,7 @@ class Engine:
         self._check_lengths(len(ids), max_new_tokens, use_draft)
         rng = np.random.default_rng(seed)
         blocks = iter_generate(self.target, ids, config, rng, draft=self.draft if use_draft else None)
-        detok = _Detokenizer(self.tokenizer)
+        detok = _Detokenizer(self.tokenizer) if stream else None
 
         def finish(result) -> GenerationOutput:
             return GenerationOutput(text=self.decode(result.tokens), ids=list(result.tokens), sources=list(result.sources),
