@@ -18,7 +18,6 @@ jax's calling convention), lowered for every platform asked for (cpu, cuda, rocm
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import time
@@ -38,12 +37,7 @@ MANIFEST = "xla.json"
 WEIGHTS = "weights.safetensors"
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+from edgespec.runtimes.xla_backend import _sha256  # noqa: E402  (one digest helper for writer and reader)
 
 
 def _check_int(name: str, v: Any, lo: int) -> int:

@@ -239,7 +239,27 @@ def _as_ids(ids, vocab_size: int | None = None) -> np.ndarray:
     return arr
 
 
-class OnnxDecoderBackend:
+class _PositionCache:
+    """length / rewind_to / free shared by both backends: the cache is a position into _KVPingPong."""
+
+    _len: int
+    _kv: "_KVPingPong"
+
+    @property
+    def length(self) -> int:
+        return self._len
+
+    def rewind_to(self, n: int) -> None:
+        if not 0 <= n <= self._len:
+            raise InvalidArgumentError(f"rewind_to({n}) outside [0, {self._len}]")
+        self._len = n  # O(1): the stale tail is dropped lazily (see module docstring)
+
+    def free(self) -> None:
+        self._len = 0
+        self._kv.physical = 0
+
+
+class OnnxDecoderBackend(_PositionCache):
     """A decoder-only model (GPT-2, Llama, ...) from one bundle folder."""
 
     def __init__(self, folder: str | Path, model: ModelManifest, session: SessionConfig = SessionConfig()):
@@ -274,10 +294,6 @@ class OnnxDecoderBackend:
         self._len = 0
         self._ids = None  # keeps the bound input_ids alive during the run
 
-    @property
-    def length(self) -> int:
-        return self._len
-
     def prefill(self, ids) -> np.ndarray:
         arr = _as_ids(ids, self.vocab_size)
         self._len = 0
@@ -309,14 +325,6 @@ class OnnxDecoderBackend:
         self._len = total
         return logits
 
-    def rewind_to(self, n: int) -> None:
-        if not 0 <= n <= self._len:
-            raise InvalidArgumentError(f"rewind_to({n}) outside [0, {self._len}]")
-        self._len = n  # O(1): the stale tail is dropped lazily (see module docstring)
-
-    def free(self) -> None:
-        self._len = 0
-        self._kv.physical = 0
 
 
 # Model types whose decoder graphs, as exported by optimum-onnx (edgespec export), take position_ids.
@@ -364,7 +372,7 @@ def _float_type_out(sess, name: str):
     return np.float16 if t == "tensor(float16)" else np.float32
 
 
-class OnnxSeq2SeqBackend:
+class OnnxSeq2SeqBackend(_PositionCache):
     """An encoder-decoder model (T5). ``prefill(prompt)`` runs the encoder once and the first
     decoder step on the decoder start token; ``length`` then counts decoder tokens (1)."""
 
@@ -404,10 +412,6 @@ class OnnxSeq2SeqBackend:
         self._len = 0
         self._ids = None
         self._enc_state = None  # (hidden, mask, cross KV arrays) of the current prompt
-
-    @property
-    def length(self) -> int:
-        return self._len
 
     def prefill(self, ids) -> np.ndarray:
         src = _as_ids(ids, self.vocab_size)
@@ -466,14 +470,8 @@ class OnnxSeq2SeqBackend:
         self._len = total
         return logits
 
-    def rewind_to(self, n: int) -> None:
-        if not 0 <= n <= self._len:
-            raise InvalidArgumentError(f"rewind_to({n}) outside [0, {self._len}]")
-        self._len = n
-
     def free(self) -> None:
-        self._len = 0
-        self._kv.physical = 0
+        super().free()
         self._enc_state = None
 
 
