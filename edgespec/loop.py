@@ -153,13 +153,14 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     # is the verdict's; the draft keeps at most the same prefix.
     target.rewind_to(target.length - g + n)
     drafter.rollback(len(generated) + n)
+    t3 = time.perf_counter()
     stats.target_calls += 1
     stats.draft_calls += g
     stats.draft_s += t1 - t0
     stats.target_s += t2 - t1
-    stats.sample_s += time.perf_counter() - t2
-    if policy is not None:
-        policy.update(conf, n, t1 - t0, t2 - t1)
+    stats.sample_s += t3 - t2
+    if policy is not None:  # the verify side of a round: the target call and the acceptance test
+        policy.update(conf, n, t1 - t0, t3 - t1)
     tokens = [int(t) for t in x[:n]] + [verdict.token]
     if g == 0:  # the drafter had nothing to propose: this was a plain target step
         stats.plain_steps += 1

@@ -586,11 +586,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed (same seed + same corpus = same weights)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--print-path", action="store_true",
+                        help="print only the pair folder (train or reuse it first), for scripts")
 
 
 def run(args: argparse.Namespace) -> int:
-    path = train_pair(args.preset, args.corpus, args.out, seed=args.seed, progress=not args.no_progress,
-                      overwrite=args.overwrite)
+    path = train_pair(args.preset, args.corpus, args.out, seed=args.seed,
+                      progress=not (args.no_progress or args.print_path), overwrite=args.overwrite)
+    if args.print_path:
+        print(path)
+        return 0
     meta = json.loads((path / "pair.json").read_text())
     v = meta["validation"]
     print(f"pair: {path}")
