@@ -37,7 +37,7 @@ def hf_runner(pair: Path, threads: int):
 
     def run(ids, max_new, temperature, assisted, seed, gamma):
         torch.manual_seed(seed)
-        kw = dict(max_new_tokens=max_new, min_new_tokens=max_new, pad_token_id=0)
+        kw = dict(max_new_tokens=max_new, pad_token_id=0)  # stops at EOS like edgespec (assisted mode refuses min_new_tokens)
         kw.update(do_sample=False) if temperature == 0 else kw.update(do_sample=True, temperature=temperature, top_k=0)
         if assisted:
             draft.generation_config.num_assistant_tokens = gamma
