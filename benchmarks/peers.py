@@ -25,7 +25,7 @@ def log(msg: str) -> None:
     print(f"[peers] {msg}", file=sys.stderr, flush=True)
 
 
-def hf_runner(pair: Path, threads: int):
+def hf_runner(pair: Path, threads: int, draft_dir: Path | None = None):
     try:
         import torch
         from transformers import AutoModelForCausalLM
@@ -33,7 +33,7 @@ def hf_runner(pair: Path, threads: int):
         return None, "transformers/torch not installed (pip install 'edgespec[export]')"
     torch.set_num_threads(threads)
     target = AutoModelForCausalLM.from_pretrained(pair / "target", use_safetensors=True).eval()
-    draft = AutoModelForCausalLM.from_pretrained(pair / "draft", use_safetensors=True).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir or pair / "draft", use_safetensors=True).eval()
 
     def run(ids, max_new, temperature, assisted, seed, gamma):
         torch.manual_seed(seed)
@@ -121,6 +121,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", type=Path, required=True)
     ap.add_argument("--bundle", type=Path, default=None, help="exported bundle of the pair (default <pair>/bundle)")
+    ap.add_argument("--draft-dir", type=Path, default=None,
+                    help="Hugging Face folder of the bundle's draft, for the PyTorch peers (default <pair>/draft)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
@@ -132,7 +134,7 @@ def main() -> int:
     bundle = args.bundle or args.pair / "bundle"
     eng = edgespec.load(bundle, threads=args.threads, spinning=False)
     prompts = [eng.encode(p) for p in CODE_PROMPTS[:4]]
-    hf, hf_note = hf_runner(args.pair, args.threads)
+    hf, hf_note = hf_runner(args.pair, args.threads, args.draft_dir)
     genai, genai_note = genai_runner(bundle, args.threads)
     notes = {"transformers": hf_note or "measured", "onnxruntime-genai": genai_note}
     for k, v in notes.items():

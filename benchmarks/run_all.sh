@@ -20,7 +20,7 @@ edgespec bench "$pair/bundles/distilled" --gammas 2,3,4,6,auto --temperatures 0,
 # 3. the paper's tables 2-5 and figure 3
 python benchmarks/paper_tables.py --pair "$pair" --draft distilled="$pair/distilled" --gammas 2,4,6 --repeats 3 --out "$out/tables"
 # 4. peers side by side
-python benchmarks/peers.py --pair "$pair" --out "$out/peers"
+python benchmarks/peers.py --pair "$pair" --bundle "$pair/bundles/distilled" --draft-dir "$pair/distilled" --out "$out/peers"
 # 5. the XLA reference path on the same pair: greedy identity with ONNX Runtime and both runtimes' speed
 [ -f "$pair/bundle-xla/edgespec.json" ] || edgespec export --target "$pair/target" --draft "$pair/draft" --out "$pair/bundle-xla" --format onnx+xla
 python benchmarks/runtimes.py --bundle "$pair/bundle-xla" --out "$out/runtimes"
