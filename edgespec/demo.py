@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     log("step 2/4: export to ONNX with KV-cache IO, validated against PyTorch")
     bundle = ensure_bundle(pair_dir, log)
 
-    log("step 3/4: a greedy speculative generation, streamed as tokens are committed")
+    log("step 3/4: a speculative generation (T=0.7, top-p 0.9, exact), streamed as tokens are committed")
     eng = load(bundle, threads=args.threads, spinning=False)
     room = eng.manifest.target.max_positions - args.max_new_tokens
     if room < 1:
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     prompt = eng.decode(fit(CODE_PROMPTS[0]))
     sys.stdout.write(prompt)
-    stream = eng.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.0, gamma=gamma,
+    stream = eng.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.7, top_p=0.9, gamma=gamma,
                           seed=args.seed, stream=True)
     for chunk in stream:
         sys.stdout.write(str(chunk))

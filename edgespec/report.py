@@ -91,15 +91,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
             ax.plot(grid, [theory.speedup(a, g, c) for g in grid], "--", color=color,
                     label=f"Thm 3.8 (alpha={a:.2f}, c={c:.3f})")
     ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xlabel("gamma (draft tokens per round)")
-    ax.set_ylabel("speedup over plain decoding")
-    ax.legend(fontsize=8)
-    ax.set_title("Speculative vs plain decoding (medians, IQR bars)")
-    fig.tight_layout()
-    p = out_dir / "speedup.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    written.append(_finish(plt, fig, ax, "gamma (draft tokens per round)", "speedup over plain decoding",
+                           "Speculative vs plain decoding (medians, IQR bars)", out_dir / "speedup.png", 8))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     shown = [r for r in rows if r["accepted_hist"]][:6]
     width = 0.8 / max(1, len(shown))
@@ -107,13 +100,17 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path]:
         h = r["accepted_hist"]
         total = sum(h) or 1
         ax.bar([n + i * width for n in range(len(h))], [k / total for k in h], width=width, label=r["setting"])
-    ax.set_xlabel("drafts kept in a round")
-    ax.set_ylabel("fraction of rounds")
-    ax.legend(fontsize=7)
-    ax.set_title("Accepted-length histogram")
-    fig.tight_layout()
-    p = out_dir / "accepted_hist.png"
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    written.append(p)
+    written.append(_finish(plt, fig, ax, "drafts kept in a round", "fraction of rounds",
+                           "Accepted-length histogram", out_dir / "accepted_hist.png", 7))
     return written
+
+
+def _finish(plt, fig, ax, xlabel: str, ylabel: str, title: str, path: Path, legend_size: int) -> Path:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=legend_size)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import sysconfig
-from pathlib import Path
 
 import pytest
 
@@ -14,11 +12,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_demo_end_to_end_on_tiny_preset(tmp_path, monkeypatch, capsys):
-    root = Path(sysconfig.get_paths()["stdlib"])
-    corpus = []
-    for name in ("argparse.py", "textwrap.py", "string.py", "heapq.py", "shlex.py", "copy.py"):
-        (tmp_path / name).write_bytes((root / name).read_bytes())
-        corpus.append(str(tmp_path / name))
+    from tiny_models import copy_stdlib_files
+
+    corpus = [str(p) for p in copy_stdlib_files(tmp_path, ("argparse.py", "textwrap.py", "string.py", "heapq.py",
+                                                           "shlex.py", "copy.py"))]
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))
     args = ["demo", "--preset", "tiny", "--repeats", "1", "--max-new-tokens", "8", "--corpus", *corpus]
     assert main(args) == 0

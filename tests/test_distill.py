@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -57,14 +56,9 @@ def test_measure_alpha_formula():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    d = tmp_path_factory.mktemp("corpus")
-    out = []
-    for name in _FILES:
-        dst = d / name.replace("/", "_")
-        dst.write_bytes((root / name).read_bytes())
-        out.append(dst)
-    return out
+    from tiny_models import copy_stdlib_files
+
+    return copy_stdlib_files(tmp_path_factory.mktemp("corpus"), _FILES)
 
 
 @pytest.fixture(scope="module")

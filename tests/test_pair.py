@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import sysconfig
 from pathlib import Path
 
 import pytest
@@ -26,15 +25,9 @@ _FILES = ["argparse.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "s
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[Path]:
     """A ~230 kB corpus: a dozen standard-library modules copied into a temp folder."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    d = tmp_path_factory.mktemp("corpus")
-    out = []
-    for name in _FILES:
-        src = root / name
-        dst = d / name.replace("/", "_")
-        dst.write_bytes(src.read_bytes())
-        out.append(dst)
-    return out
+    from tiny_models import copy_stdlib_files
+
+    return copy_stdlib_files(tmp_path_factory.mktemp("corpus"), _FILES)
 
 
 @pytest.fixture(scope="module")

@@ -111,3 +111,17 @@ def make_pair(root: str | Path, arch: str) -> tuple[Path, Path]:
     small = {"gpt2": {"n_layer": 1}, "llama": {"layers": 1}, "t5": {"layers": 1}}[arch]
     draft = build(root / f"{arch}-draft", seed=2, vocab_size=80, **small)
     return target, draft
+
+
+def copy_stdlib_files(dest: str | Path, names) -> list[Path]:
+    """Copy standard-library modules (relative paths like "json/decoder.py") into ``dest``: a small,
+    real corpus for the training tests."""
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for name in names:
+        dst = Path(dest) / name.replace("/", "_")
+        dst.write_bytes((root / name).read_bytes())
+        out.append(dst)
+    return out
