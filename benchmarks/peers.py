@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.report import machine_description, write_json

@@ -4,13 +4,11 @@ target/draft bytes read per generated token."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import contract
 from .config import SamplingConfig
 from .errors import InvalidArgumentError
 from .measure import ReadCounter, Setting, hardware_counters_note, run_setting

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-from . import theory
 from .config import SamplingConfig
 from .errors import BundleError, InvalidArgumentError
 from .measure import Setting, hardware_counters_note, run_setting

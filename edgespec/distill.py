@@ -13,7 +13,6 @@ processed distributions (temperature 0: one-hot argmax; otherwise softmax(logits
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -217,7 +216,6 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
-    from transformers import LlamaForCausalLM
 
     from .pair import _batch, _lr_at, new_llama
 

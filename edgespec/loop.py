@@ -13,7 +13,7 @@ from typing import Callable, Generator, Sequence
 import numpy as np
 
 from .backend import Backend
-from .config import GenerationConfig, SamplingConfig
+from .config import GenerationConfig
 from .errors import InvalidArgumentError, PromptTooLongError
 from .adaptive import AdaptiveGamma
 from .drafters import ModelDrafter, NgramDrafter  # noqa: F401  (re-exported)

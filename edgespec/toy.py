@@ -3,8 +3,6 @@ without ONNX, and ``edgespec toy`` shows the loop end to end in a second."""
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 
 import numpy as np
 

@@ -18,7 +18,7 @@ from edgespec import contract
 from edgespec.api import load
 from edgespec.bundle import PARTIAL_MARKER, load_bundle
 from edgespec.cli import main
-from edgespec.errors import BundleError, DiskFullError, EngineBusyError, OutputExistsError
+from edgespec.errors import BundleError, DiskFullError, EngineBusyError
 
 pytestmark = pytest.mark.slow
 

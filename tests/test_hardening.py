@@ -22,7 +22,7 @@ from edgespec import contract
 from edgespec.api import load
 from edgespec.cli import main
 from edgespec.errors import (BundleError, EdgeSpecError, InvalidArgumentError, ModelExecutionError, NonFiniteLogitsError,
-                             OutputExistsError, PromptTooLongError, TokenizerMismatchError, UnsafeFileError)
+                             PromptTooLongError, TokenizerMismatchError, UnsafeFileError)
 
 pytestmark = pytest.mark.slow
 
