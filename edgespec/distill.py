@@ -217,7 +217,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     import torch.nn.functional as F
     from tqdm.auto import tqdm
 
-    from .pair import _batch, _lr_at, new_llama
+    from .pair import _batch, _lr_at, new_llama, optimizer_step
 
     torch.manual_seed(seed * 100 + 3)
     if init is not None:
@@ -252,12 +252,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
                     t_logits = target(input_ids=inp).logits
                 loss, kl, tv = _losses(t_logits, d_logits, mode)
                 post = {"kl": float(kl.detach()), "tv": float(tv.detach())}
-            if not torch.isfinite(loss):
-                raise TrainingError(f"draft training diverged at step {step}; lower --lr")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0, foreach=False)
-            opt.step()
+            optimizer_step(draft, opt, loss, f"draft training diverged at step {step}; lower --lr")
             bar.set_postfix({k: f"{v:.3f}" for k, v in post.items()})
             bar.update(1)
             history.append(post)

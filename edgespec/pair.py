@@ -285,6 +285,18 @@ def save_checkpoint(model, hf_tok, folder: Path) -> None:
     os.replace(tmp, folder)
 
 
+def optimizer_step(model, opt, loss, diverged: str) -> None:
+    """One clipped optimizer step; a non-finite loss stops training with ``diverged`` as the message."""
+    import torch
+
+    if not torch.isfinite(loss):
+        raise TrainingError(diverged)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
+    opt.step()
+
+
 def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: float, train_ids, val_windows,
                vocab_size: int, special_ids: dict, seed: int, work: Path, hf_tok, progress: bool,
                callback: Callable[[str, int], None] | None) -> dict:
@@ -343,12 +355,8 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
             x = _batch(train_ids, step, seed, salt, preset.batch_size, preset.context)
             logits = model(input_ids=x[:, :-1]).logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-            if not torch.isfinite(loss):
-                raise TrainingError(f"{role} training diverged (loss {float(loss)}) at step {step}; lower the learning rate")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
-            opt.step()
+            optimizer_step(model, opt, loss, f"{role} training diverged (loss {float(loss)}) at step {step}; "
+                                             "lower the learning rate")
             step += 1
             last_loss = float(loss.detach())
             bar.set_postfix(loss=f"{last_loss:.3f}")
