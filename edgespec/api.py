@@ -28,6 +28,7 @@ import numpy as np
 from . import contract
 from .bundle import BundleManifest, load_bundle
 from .config import GenerationConfig, SamplingConfig
+from .drafters import NgramDrafter
 from .errors import BundleError, EngineBusyError, InvalidArgumentError, PromptTooLongError, TokenizerMismatchError
 
 DEFAULT_MAX_GAMMA = 8
@@ -264,8 +265,12 @@ class Engine:
 
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, gamma: int | None = 4, lenience: float = 1.0, seed: int | None = None,
-                 stream: bool = False, use_draft: bool = True, stop_token_ids: Sequence[int] = ()):
+                 stream: bool = False, use_draft: bool = True, stop_token_ids: Sequence[int] = (),
+                 drafter: str = "model"):
         """Generate from text or token ids.
+
+        ``drafter="model"`` drafts with the bundle's draft model; ``drafter="ngram"`` drafts by prompt
+        lookup (continuations of earlier text; no second model, still exact).
 
         ``temperature=0`` is greedy; ``gamma=None`` lets edgespec choose the draft length per round.
         With the ONNX runtime any gamma >= 1 works (the graphs take any number of new tokens); with
@@ -278,9 +283,12 @@ class Engine:
 
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise InvalidArgumentError(f"seed must be a non-negative integer or None; got {seed!r}")
-        use_draft = bool(use_draft) and self.draft is not None
+        if drafter not in ("model", "ngram"):
+            raise InvalidArgumentError(f"drafter must be 'model' or 'ngram' (prompt lookup); got {drafter!r}")
+        ngram = bool(use_draft) and drafter == "ngram"
+        use_draft = bool(use_draft) and self.draft is not None and not ngram  # the draft model takes part
         max_gamma = max(DEFAULT_MAX_GAMMA, gamma) if isinstance(gamma, int) and not isinstance(gamma, bool) else DEFAULT_MAX_GAMMA
-        width = self.verify_width() if use_draft else None
+        width = self.verify_width() if use_draft or ngram else None
         if width is not None:
             # a round feeds the pending token + gamma drafts in one target call: gamma + 1 <= width
             if isinstance(gamma, int) and not isinstance(gamma, bool) and gamma > width - 1:
@@ -309,7 +317,8 @@ class Engine:
         ids = self._prompt_ids(prompt_or_ids, use_draft)
         self._check_lengths(len(ids), max_new_tokens, use_draft)
         rng = np.random.default_rng(seed)
-        blocks = iter_generate(self.target, ids, config, rng, draft=self.draft if use_draft else None)
+        draft = NgramDrafter() if ngram else self.draft if use_draft else None
+        blocks = iter_generate(self.target, ids, config, rng, draft=draft)
         detok = _Detokenizer(self.tokenizer) if stream else None
 
         def finish(result) -> GenerationOutput:

@@ -27,7 +27,7 @@ class GenerationStats:
 
     rounds: int = 0                  # speculative rounds (one target call each)
     target_calls: int = 0            # all target forward calls, prefill included
-    draft_calls: int = 0             # draft forward calls, prefill excluded
+    draft_calls: int = 0             # draft steps, one per drafted token (a model drafter: one forward call each)
     drafted: int = 0                 # draft tokens proposed
     accepted: int = 0                # draft tokens kept
     emitted: int = 0                 # tokens committed (the output length)
