@@ -252,7 +252,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
                     t_logits = target(input_ids=inp).logits
                 loss, kl, tv = _losses(t_logits, d_logits, mode)
                 post = {"kl": float(kl.detach()), "tv": float(tv.detach())}
-            optimizer_step(draft, opt, loss, f"draft training diverged at step {step}; lower --lr")
+            optimizer_step(draft, opt, loss, lambda: f"draft training diverged at step {step}; lower --lr")
             bar.set_postfix({k: f"{v:.3f}" for k, v in post.items()})
             bar.update(1)
             history.append(post)

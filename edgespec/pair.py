@@ -285,12 +285,13 @@ def save_checkpoint(model, hf_tok, folder: Path) -> None:
     os.replace(tmp, folder)
 
 
-def optimizer_step(model, opt, loss, diverged: str) -> None:
-    """One clipped optimizer step; a non-finite loss stops training with ``diverged`` as the message."""
+def optimizer_step(model, opt, loss, diverged) -> None:
+    """One clipped optimizer step; a non-finite loss stops training with the message ``diverged()``
+    (a callable, so the message is only formatted when it is needed)."""
     import torch
 
     if not torch.isfinite(loss):
-        raise TrainingError(diverged)
+        raise TrainingError(diverged())
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
@@ -355,8 +356,8 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
             x = _batch(train_ids, step, seed, salt, preset.batch_size, preset.context)
             logits = model(input_ids=x[:, :-1]).logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-            optimizer_step(model, opt, loss, f"{role} training diverged (loss {float(loss)}) at step {step}; "
-                                             "lower the learning rate")
+            optimizer_step(model, opt, loss, lambda: f"{role} training diverged (loss {float(loss)}) at step "
+                                                     f"{step}; lower the learning rate")
             step += 1
             last_loss = float(loss.detach())
             bar.set_postfix(loss=f"{last_loss:.3f}")
