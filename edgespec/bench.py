@@ -34,15 +34,13 @@ def kv_bytes_per_token(model) -> int:
 
 
 def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), threads: int = 0,
-                draft_threads: int | None = None, spinning: bool | None = None) -> OpenedBundle:
-    from .bundle import load_bundle
-
-    manifest = load_bundle(Path(bundle))
+                draft_threads: int | None = None, spinning: bool | None = None, engine=None) -> OpenedBundle:
+    """Wrap the backends of ``engine`` (an already loaded Engine) or of a newly loaded one."""
     from .api import load
 
-    eng = load(bundle, providers=providers, threads=threads, draft_threads=draft_threads, spinning=spinning,
-               runtime=runtime)
-    target, draft, tokenizer = eng.target, eng.draft, eng.tokenizer
+    eng = engine or load(bundle, providers=providers, threads=threads, draft_threads=draft_threads,
+                         spinning=spinning, runtime=runtime)
+    target, draft, tokenizer, manifest = eng.target, eng.draft, eng.tokenizer, eng.manifest
     t = manifest.target
     wrap_t = ReadCounter(target, int(t.parameter_bytes.get("per_forward", t.parameter_bytes.get("total", 0))),
                          kv_bytes_per_token(t))

@@ -86,10 +86,9 @@ def run(args: argparse.Namespace) -> int:
     res = stream.result
     print(f"\n--- {len(res.ids)} tokens, {res.stats.target_calls} target calls "
           f"({res.stats.tokens_per_target_call:.2f} tokens per target call), finish: {res.finish_reason}\n")
-    eng.close()
 
     log(f"step 4/4: plain vs speculative, interleaved, {args.repeats} repeats after a warm-up")
-    ob = open_bundle(bundle, threads=args.threads, spinning=False)
+    ob = open_bundle(bundle, engine=eng)  # the same sessions, wrapped in read counters
     prompts = [fit(p) for p in CODE_PROMPTS[:4]]
     eos = tuple(ob.manifest.target.eos_token_ids)
     rows = []

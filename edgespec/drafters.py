@@ -44,15 +44,16 @@ class ModelDrafter:
         feed = np.asarray(generated[b.length - self._base:], dtype=np.int64)  # [1 or 2] unseen tokens
         ids = np.empty(gamma, dtype=np.int64)                                  # [gamma]
         q = np.empty((gamma, vocab))                                           # [gamma, V]
-        conf = np.empty(gamma)                                                 # [gamma] q_i(x_i)
+        conf = np.zeros(gamma)                                                 # [gamma] q_i(x_i)
         g = 0
         while g < gamma:
             logits = b.extend(feed)[-1:, :vocab]                               # [1, V]
             q[g] = process_logits(logits, sampling, "draft model")[0]
             ids[g] = sample_index(q[g], rng.random())
-            # confidence: the probability the draft gave its token; for greedy (q one-hot) the
-            # draft's softmax probability of its argmax, which still says how sure it is.
-            conf[g] = q[g, ids[g]] if not sampling.greedy else 1.0 / np.exp(logits - logits.max()).sum()
+            # confidence (only for a length policy): the probability the draft gave its token; for
+            # greedy (q one-hot) the draft's softmax probability of its argmax, still a sureness signal.
+            if keep_going is not None:
+                conf[g] = q[g, ids[g]] if not sampling.greedy else 1.0 / np.exp(logits - logits.max()).sum()
             feed = ids[g:g + 1]
             g += 1
             if keep_going is not None and g < gamma and not keep_going(g, conf[g - 1]):

@@ -110,7 +110,7 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def _check_prompt(prompt_ids: Sequence[int], config: GenerationConfig, target: Backend) -> np.ndarray:
+def _check_prompt(prompt_ids: Sequence[int], target: Backend) -> np.ndarray:
     prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)               # [P]
     if prompt.size == 0:
         raise InvalidArgumentError("the prompt is empty; pass at least one token (or non-empty text)")
@@ -192,7 +192,7 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     """
     if not isinstance(rng, np.random.Generator):
         raise InvalidArgumentError("rng must be a numpy.random.Generator, e.g. np.random.default_rng(seed)")
-    prompt = _check_prompt(prompt_ids, config, target)
+    prompt = _check_prompt(prompt_ids, target)
     # A drafter has propose(); anything else is taken as a draft model's Backend.
     drafter = draft if draft is None or hasattr(draft, "propose") else ModelDrafter(draft)
     vocab = min(v for v in (target.vocab_size, config.vocab_size,

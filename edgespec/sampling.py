@@ -18,13 +18,6 @@ def _raise_non_finite(logits: np.ndarray, who: str) -> None:
     raise NonFiniteLogitsError(f"the {who} produced a row of logits that is -inf everywhere; no token can be sampled")
 
 
-def check_finite(logits: np.ndarray, who: str = "model") -> None:
-    """-inf is a legal mask value; NaN and +inf are not, and a row may not be all -inf."""
-    # logits: [k, V]. A row's max is NaN if any entry is NaN, +inf if any is +inf, -inf if all are.
-    if not np.isfinite(logits.max(axis=-1)).all():
-        _raise_non_finite(logits, who)
-
-
 def process_logits(logits: np.ndarray, cfg: SamplingConfig, who: str = "model") -> np.ndarray:
     """Turn raw logits into the processed distribution the token is sampled from.
 

@@ -175,7 +175,6 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, opts: Exp
         parameter_bytes=bytes_record,
         validation=record,
     )
-    del model
     progress(f"{role}: done in {time.perf_counter() - t0:.1f}s (max abs diff {record['fp32']['max_abs_diff']:.2e})")
     return manifest, opset
 
