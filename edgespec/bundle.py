@@ -49,6 +49,7 @@ class ModelManifest:
     quantization: str  # "none" | "int8-dynamic"
     parameter_bytes: dict[str, int]  # total / per_forward (weights read by one decoder forward) / encoder
     validation: dict[str, Any] = field(default_factory=dict)
+    kv_layout: str = contract.KV_CONCAT  # contract.KV_LAYOUTS; bundles written before static graphs: concat
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,10 @@ def _check_model_fields(role, m: ModelManifest) -> None:
             raise ValueError(f"{role}.files names {v!r:.60}, which is not a plain file name inside the model folder")
     if not isinstance(m.parameter_bytes, dict) or not all(_is_int(v) for v in m.parameter_bytes.values()):
         raise TypeError(f"{role}.parameter_bytes must map names to integers, got {m.parameter_bytes!r:.60}")
+    if m.kv_layout not in contract.KV_LAYOUTS:
+        raise ValueError(f"{role}.kv_layout must be one of {', '.join(contract.KV_LAYOUTS)}, got {m.kv_layout!r:.60}")
+    if m.kv_layout == contract.KV_STATIC and m.kind != contract.KIND_DECODER:
+        raise ValueError(f"{role}.kv_layout {m.kv_layout!r} is only defined for decoder-only models")
     if not isinstance(m.validation, dict):
         raise TypeError(f"{role}.validation must be an object, got {m.validation!r:.60}")
 

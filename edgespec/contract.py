@@ -1,9 +1,9 @@
 """The ONNX naming contract between the exporter (``edgespec.export``) and the runtimes.
 
 This is the only place that knows file names and graph input/output names. Both sides import
-it; neither spells a name by hand. The names follow optimum's exporter (the graphs are produced
-by it): decoder-only models take ``past_key_values.{i}.key`` and return ``present.{i}.key`` =
-concat(past, new) along the sequence axis, with KV tensors laid out [batch, kv_heads, seq, head].
+it; neither spells a name by hand. The names follow optimum's exporter: decoder-only models take
+``past_key_values.{i}.key`` and return ``present.{i}.key``, with KV tensors laid out
+[batch, kv_heads, seq, head]; how present relates to past is the model's KV layout (below).
 """
 from __future__ import annotations
 
@@ -40,6 +40,16 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"  # [batch, past + new], all ones for one unpadded sequence
 POSITION_IDS = "position_ids"  # optional (GPT-2, Llama have it; some architectures derive it)
 LOGITS = "logits"  # [batch, new, vocab]
+
+# How a decoder graph's KV inputs relate to its outputs (the manifest's ``kv_layout``):
+# - concat: past [1, kv_heads, P, head] in, present = concat(past, new) [1, kv_heads, P + k, head]
+#   out (optimum's graphs); the runtime ping-pongs two buffers.
+# - static: past and present are the same [1, kv_heads, max_positions, head] buffer; the graph
+#   writes the new tokens at positions [P, P + k) in place and reads P from attention_mask
+#   (export/static_kv.py). Rollback needs no copy at all.
+KV_CONCAT = "concat"
+KV_STATIC = "static"
+KV_LAYOUTS = (KV_CONCAT, KV_STATIC)
 
 
 def decoder_past_names(num_layers: int) -> tuple[str, ...]:

@@ -16,6 +16,8 @@ examples:
 Precision: fp32 by default. --quantize int8 applies ONNX Runtime dynamic int8 quantization
 (MatMul/Gemm weights int8, activations quantized at run time) to both models; --quantize-target /
 --quantize-draft set it per model and override --quantize. fp16 export is not supported yet.
+Graphs: Llama decoders get edgespec's static-KV graph (KV written in place, so rolling back a rejected
+draft copies nothing); other architectures are traced by optimum-onnx (--graph chooses).
 Every model is validated against PyTorch (prefill, 1-token step, multi-token step); above
 tolerance the export fails and nothing is written.
 """
@@ -34,7 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-target", choices=QUANT_CHOICES, default=None, help="override --quantize for the target")
     parser.add_argument("--quantize-draft", choices=QUANT_CHOICES, default=None, help="override --quantize for the draft")
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32", help="export dtype (fp16 not supported yet)")
-    parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: optimum's choice for the architecture)")
+    parser.add_argument("--opset", type=int, default=None, help="ONNX opset of optimum graphs (default: optimum's choice for the architecture)")
+    parser.add_argument("--graph", choices=("auto", "static", "optimum"), default="auto",
+                        help="decoder graph: static = edgespec's Llama graph with an in-place KV cache (zero-copy "
+                             "rollback, fewer nodes); optimum = the traced graph (KV concat); auto (default) = static "
+                             "where the architecture has one, else optimum")
     parser.add_argument("--atol", type=float, default=None, help="validation tolerance, fp32 graphs (default 1e-3)")
     parser.add_argument("--quantized-atol", type=float, default=None, help="validation tolerance, int8 graphs (default 1.0)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -62,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         atol=DEFAULT_ATOL if args.atol is None else args.atol,
         quantized_atol=DEFAULT_QUANTIZED_ATOL if args.quantized_atol is None else args.quantized_atol,
         overwrite=args.overwrite,
+        graph=args.graph,
     )
     xla = None
     if "xla" in args.format:

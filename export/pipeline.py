@@ -24,14 +24,17 @@ from edgespec import contract
 from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
 from edgespec.errors import DiskFullError, InvalidArgumentError, OutputExistsError, UnsupportedArchitectureError
 
-from . import graph_info, validate
+from . import graph_info, static_kv, validate
 from .checkpoint import Checkpoint, inspect_checkpoint
 from .quantize import QUANT_CHOICES, QUANT_LABEL, check_dtype, quantize_int8
 from .tokenizer_check import check_model_covers_tokenizer, load_vocab, shared_vocab, tokenizer_size
 
 DEFAULT_ATOL = 1e-3  # fp32 ORT vs PyTorch on logits and KV (typical real-model diffs: 1e-5..1e-4)
 DEFAULT_QUANTIZED_ATOL = 1.0  # int8 weights: logits move by O(0.1); this only catches broken graphs
-T5_DEFAULT_MAX_POSITIONS = 512  # relative attention has no hard limit; T5 was trained on 512 tokens
+T5_DEFAULT_MAX_POSITIONS = 512
+# auto: the static-KV graph where the architecture has one (llama), optimum's traced graph otherwise;
+# static: require it; optimum: always the traced graph (KV concat layout).
+GRAPH_CHOICES = ("auto", "static", "optimum")  # relative attention has no hard limit; T5 was trained on 512 tokens
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,11 @@ class ExportOptions:
     atol: float = DEFAULT_ATOL
     quantized_atol: float = DEFAULT_QUANTIZED_ATOL
     overwrite: bool = False
+    graph: str = "auto"  # GRAPH_CHOICES: how decoder graphs are written (see export/static_kv.py)
 
     def __post_init__(self) -> None:
+        if self.graph not in GRAPH_CHOICES:
+            raise InvalidArgumentError(f"--graph must be one of {', '.join(GRAPH_CHOICES)}; got {self.graph!r}")
         for name in ("quantize_target", "quantize_draft"):
             if getattr(self, name) not in QUANT_CHOICES:
                 raise InvalidArgumentError(f"{name.replace('_', '-')} must be one of {', '.join(QUANT_CHOICES)}; got {getattr(self, name)!r}")
@@ -103,6 +109,20 @@ def _max_positions(ckpt: Checkpoint) -> int:
     raise UnsupportedArchitectureError(f"{ckpt.path}/config.json has no max_position_embeddings / n_positions; add it and export again")
 
 
+def _kv_layout(ckpt: Checkpoint, opts: ExportOptions) -> str:
+    if ckpt.kind != contract.KIND_DECODER or opts.graph == "optimum":
+        if opts.graph == "static":
+            raise UnsupportedArchitectureError(f"{ckpt.path}: --graph static is for decoder-only llama checkpoints, not "
+                                               f"{ckpt.model_type}; use --graph auto")
+        return contract.KV_CONCAT
+    reason = static_kv.unsupported_reason(ckpt.model_type, ckpt.config)
+    if reason is None:
+        return contract.KV_STATIC
+    if opts.graph == "static":
+        raise UnsupportedArchitectureError(f"{ckpt.path}: no static-KV graph for {reason}; use --graph auto or --graph optimum")
+    return contract.KV_CONCAT
+
+
 def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, opts: ExportOptions,
                 progress: Callable[[str], None]) -> tuple[ModelManifest, int]:
     from .onnx_export import export_graphs, load_torch_model
@@ -113,9 +133,15 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, opts: Exp
     rows = int(model.get_output_embeddings().weight.shape[0])
     vocab = load_vocab(ckpt.path)
     check_model_covers_tokenizer(vocab, rows, role)
-    progress(f"{role}: exporting ONNX graphs with KV-cache IO")
+    layout = _kv_layout(ckpt, opts)
     folder.mkdir(parents=True)
-    opset = export_graphs(model, ckpt, folder, opts.opset)
+    if layout == contract.KV_STATIC:
+        progress(f"{role}: writing the static-KV ONNX graph (in-place cache, GroupQueryAttention)")
+        opset = static_kv.build_llama(model, ckpt.config, folder / contract.DECODER_FILE, _max_positions(ckpt))
+        shutil.copy2(ckpt.path / contract.CONFIG_FILE, folder / contract.CONFIG_FILE)
+    else:
+        progress(f"{role}: exporting ONNX graphs with KV-cache IO (optimum)")
+        opset = export_graphs(model, ckpt, folder, opts.opset)
     shutil.copy2(ckpt.path / contract.TOKENIZER_FILE, folder / contract.TOKENIZER_FILE)
 
     seq2seq = ckpt.kind == contract.KIND_SEQ2SEQ
@@ -136,7 +162,8 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, opts: Exp
         if seq2seq:
             stages = validate.validate_seq2seq(model, folder, num_layers, limit, int(dec_start or 0))
         else:
-            stages = validate.validate_decoder(model, folder, num_layers, limit)
+            capacity = _max_positions(ckpt) if layout == contract.KV_STATIC else None
+            stages = validate.validate_decoder(model, folder, num_layers, limit, kv_capacity=capacity)
         return validate.summarize(stages, atol, what)
 
     progress(f"{role}: validating ONNX Runtime vs PyTorch (prefill, 1-token step, {validate.MULTI_STEP_TOKENS}-token step)")
@@ -174,6 +201,7 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, opts: Exp
         quantization=QUANT_LABEL[quant],
         parameter_bytes=bytes_record,
         validation=record,
+        kv_layout=layout,
     )
     progress(f"{role}: done in {time.perf_counter() - t0:.1f}s (max abs diff {record['fp32']['max_abs_diff']:.2e})")
     return manifest, opset

@@ -17,13 +17,22 @@ def quantize_int8(graph: Path) -> None:
     onnxruntime.quantization stores int8 weights with per-tensor scale/zero point; the KV cache
     and logits stay fp32, so the runtime contract is unchanged.
     """
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from edgespec.bundle import onnx_external_data_locations
+
     tmp = graph.with_name(graph.stem + ".int8.onnx")
+    old_data = set(onnx_external_data_locations(graph))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quantize_dynamic(str(graph), str(tmp), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"])
+        # DefaultTensorType: ONNX shape inference stops at contrib ops (GroupQueryAttention in
+        # static-KV graphs); every activation in these graphs is fp32.
+        quantize_dynamic(str(graph), str(tmp), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
     os.replace(tmp, graph)
+    for loc in old_data - set(onnx_external_data_locations(graph)):  # fp32 weights now unused
+        (graph.parent / loc).unlink(missing_ok=True)
 
 
 def check_dtype(dtype: str) -> None:

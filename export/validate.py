@@ -45,12 +45,24 @@ def _session(path: Path):
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
+def _run(sess, outputs: list[str], feed: dict, stage: str) -> list:
+    try:
+        return sess.run(outputs, feed)
+    except Exception as exc:  # ORT's Fail / InvalidArgument / RuntimeException
+        msg = " ".join(str(exc).split())[:600]
+        raise ValidationError(f"ONNX Runtime could not run the exported graph ({stage}): {msg}; no bundle was written. "
+                              "Try `edgespec export --graph optimum`, another --opset, or report the model config") from exc
+
+
 def _float_type(sess, name: str):
     t = next(i.type for i in sess.get_inputs() if i.name == name)
     return np.float16 if "float16" in t else np.float32
 
 
-def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, seed: int = 0) -> dict:
+def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, seed: int = 0,
+                     kv_capacity: int | None = None) -> dict:
+    """``kv_capacity``: None for concat-layout graphs (past starts empty); the buffer length of a
+    static-KV graph (past starts as a zero buffer of that length; present[:, :, :end] is compared)."""
     import torch
 
     sess = _session(folder / contract.DECODER_FILE)
@@ -69,7 +81,7 @@ def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, see
     ref_logits = ref.logits.float().numpy()
     ref_kv = [a for pair in _kv_pairs(ref.past_key_values) for a in pair]
 
-    past = [np.zeros((1, heads, 0, head), dtype=ftype) for _ in past_names]
+    past = [np.zeros((1, heads, kv_capacity or 0, head), dtype=ftype) for _ in past_names]
     stages, start = {}, 0
     for stage, k in (("prefill", PREFILL_TOKENS), ("step_1", 1), (f"step_{MULTI_STEP_TOKENS}", MULTI_STEP_TOKENS)):
         end = start + k
@@ -78,10 +90,10 @@ def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, see
             feed[contract.ATTENTION_MASK] = np.ones((1, end), dtype=np.int64)
         if contract.POSITION_IDS in in_names:
             feed[contract.POSITION_IDS] = np.arange(start, end, dtype=np.int64)[None, :]
-        outs = sess.run([contract.LOGITS, *present_names], feed)
+        outs = _run(sess, [contract.LOGITS, *present_names], feed, stage)
         diffs = {contract.LOGITS: _diff(outs[0], ref_logits[:, start:end], contract.LOGITS)}
         for name, got, want in zip(present_names, outs[1:], ref_kv):
-            diffs[name] = _diff(got, want[:, :, :end], name)
+            diffs[name] = _diff(got[:, :, :end] if kv_capacity else got, want[:, :, :end], name)
         stages[stage] = diffs
         past, start = outs[1:], end
     return stages
@@ -116,12 +128,12 @@ def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, dec
     ref_cross = [a for pair in _kv_pairs(cache.cross_attention_cache) for a in pair]
 
     stages = {}
-    (hidden,) = enc.run([contract.ENCODER_OUTPUT], {contract.ENCODER_INPUT_IDS: src, contract.ENCODER_ATTENTION_MASK: mask})
+    (hidden,) = _run(enc, [contract.ENCODER_OUTPUT], {contract.ENCODER_INPUT_IDS: src, contract.ENCODER_ATTENTION_MASK: mask}, "encoder")
     stages["encoder"] = {contract.ENCODER_OUTPUT: _diff(hidden, ref.encoder_last_hidden_state.float().numpy(), contract.ENCODER_OUTPUT)}
 
-    outs = dec.run([contract.LOGITS, *self_present, *cross_present], {
+    outs = _run(dec, [contract.LOGITS, *self_present, *cross_present], {
         contract.DECODER_INPUT_IDS: tgt[:, :1], contract.DECODER_ENCODER_HIDDEN_STATES: hidden,
-        contract.DECODER_ENCODER_ATTENTION_MASK: mask})
+        contract.DECODER_ENCODER_ATTENTION_MASK: mask}, "prefill")
     n = num_layers * 2
     logits, past, cross = outs[0], outs[1:1 + n], outs[1 + n:]
     diffs = {contract.LOGITS: _diff(logits, ref_logits[:, :1], contract.LOGITS)}
@@ -134,7 +146,7 @@ def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, dec
         end = start + k
         feed = {contract.DECODER_INPUT_IDS: tgt[:, start:end], contract.DECODER_ENCODER_ATTENTION_MASK: mask,
                 **dict(zip(self_past, past)), **dict(zip(cross_past, cross))}
-        outs = dec_past.run([contract.LOGITS, *self_present], feed)
+        outs = _run(dec_past, [contract.LOGITS, *self_present], feed, stage)
         diffs = {contract.LOGITS: _diff(outs[0], ref_logits[:, start:end], contract.LOGITS)}
         diffs.update({nm: _diff(g, w[:, :, :end], nm) for nm, g, w in zip(self_present, outs[1:], ref_self)})
         stages[stage] = diffs

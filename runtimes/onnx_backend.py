@@ -1,21 +1,22 @@
 """ONNX Runtime backends (decoder-only and T5) implementing ``edgespec.backend.Backend``.
 
-KV cache scheme: preallocated ping-pong buffers + IOBinding, rewind = move an integer.
+KV cache schemes (the bundle's ``kv_layout``, see ``edgespec.contract``), both rewound by moving
+an integer, never the data:
 
-The exported graphs (optimum's) take ``past`` [1, H, P, D] and return ``present`` [1, H, P+k, D]
-= concat(past, new): the graph itself copies the past into present every call (O(P), inherent to
-these graphs). We never add a copy on top of that in the common case:
-
-* each KV tensor has two flat buffers (side A and B) of capacity H * max_length * D, allocated once;
-* a call binds ``past`` to the first H*P*D elements of the current side and ``present`` to the
-  first H*(P+k)*D elements of the other side (raw pointers via IOBinding: ORT reads and writes our
-  memory directly, no numpy conversion, no allocation, no per-call dict); then the sides swap;
-* ``rewind_to(n)`` only sets the logical length (O(1)). The cached tokens beyond ``n`` stay in the
-  buffer. Because a contiguous [1, H, n, D] tensor is not a prefix of a [1, H, P, D] one (the head
-  stride changes), the first call after a rewind compacts the kept prefix into the other side
-  (one O(n) copy per rejection round, the same order as the concat the graph does anyway). A
-  scheme with zero copies needs graphs that write KV in place at a position (a static cache, e.g.
-  GroupQueryAttention with past/present buffer sharing); optimum's graphs do not.
+* static (``_KVInPlace``; edgespec's own Llama graphs, export/static_kv.py): one buffer per KV
+  tensor, [1, H, max_length, D], allocated once and bound as BOTH past and present through
+  IOBinding. The graph's attention op writes the k new tokens at positions [P, P + k) in place and
+  attends over [0, P + k), P being read from the attention mask. ``rewind_to(n)`` sets the
+  length; the stale tail is masked out and overwritten by the next call. No copy, ever: this is
+  the scheme the speculative loop wants (a rejection costs nothing).
+* concat (``_KVPingPong``; optimum's graphs): the graph takes ``past`` [1, H, P, D] and returns
+  ``present`` [1, H, P+k, D] = concat(past, new), so it copies the past every call (O(P), inherent
+  to those graphs). Each KV tensor has two flat buffers (sides A and B) of capacity
+  H * max_length * D; a call binds ``past`` to the first H*P*D elements of the current side and
+  ``present`` to the first H*(P+k)*D of the other, then the sides swap. ``rewind_to(n)`` only sets
+  the length, but a contiguous [1, H, n, D] tensor is not a prefix of a [1, H, P, D] one (the head
+  stride changes), so the first call after a rewind compacts the kept prefix into the other side:
+  one O(n) copy per rejection round. Exporting with the static layout removes it.
 
 Logits are bound to a fresh ``np.empty`` per call (no copy afterwards), so the caller may keep them
 across calls (the loop keeps the draft's q for every drafted token).
@@ -203,6 +204,14 @@ class _KVPingPong:
         self.side = 0  # side holding the current cache
         self.physical = 0  # tokens stored in that side (layout [1, H, physical, D])
 
+    def prepare(self, n: int) -> None:
+        """Before a call on a cache of logical length ``n``: compact if a rewind left a longer tail."""
+        if self.physical != n:
+            self.compact(n)
+
+    def reset(self) -> None:
+        self.physical = 0
+
     def compact(self, n: int) -> None:
         """Make the current side hold exactly the first ``n`` tokens (after a rewind)."""
         h, d, p = self.heads, self.head_size, self.physical
@@ -228,6 +237,36 @@ class _KVPingPong:
     def commit(self, length: int) -> None:
         self.side = 1 - self.side
         self.physical = length
+
+
+class _KVInPlace:
+    """One [1, H, capacity, D] buffer per KV tensor, bound as past AND present (static layout)."""
+
+    def __init__(self, n_tensors: int, heads: int, head_size: int, capacity: int, dtype):
+        self.shape = (1, heads, capacity, head_size)
+        try:  # np.empty: pages are committed only when first written
+            self.buffers = [np.empty(self.shape, dtype=dtype) for _ in range(n_tensors)]
+        except (MemoryError, ValueError) as exc:
+            gib = n_tensors * heads * capacity * head_size * np.dtype(dtype).itemsize / 2**30
+            raise InsufficientMemoryError(
+                f"cannot allocate the KV cache ({gib:.3g} GiB for {capacity} positions x {heads} heads x {head_size}); "
+                "use a machine with more memory or a bundle exported with fewer max positions") from exc
+        self.dtype = dtype
+        self.ptrs = [b.ctypes.data for b in self.buffers]
+
+    def prepare(self, n: int) -> None:
+        pass  # positions >= n are ignored by the graph (the mask says P = n) and overwritten
+
+    def reset(self) -> None:
+        pass
+
+    def bind(self, binder: _Binder, past_names, present_names, past_len: int, new: int) -> None:
+        for past, present, ptr in zip(past_names, present_names, self.ptrs):
+            binder.input(past, self.dtype, self.shape, ptr)
+            binder.output(present, self.dtype, self.shape, ptr)
+
+    def commit(self, length: int) -> None:
+        pass
 
 
 def _as_ids(ids, vocab_size: int | None = None) -> np.ndarray:
@@ -256,7 +295,7 @@ class _PositionCache:
 
     def free(self) -> None:
         self._len = 0
-        self._kv.physical = 0
+        self._kv.reset()
 
 
 class OnnxDecoderBackend(_PositionCache):
@@ -272,11 +311,12 @@ class OnnxDecoderBackend(_PositionCache):
         names = {i.name for i in self._sess.get_inputs()}
         self._past = contract.decoder_past_names(model.num_layers)
         self._present = contract.decoder_present_names(model.num_layers)
+        static = model.kv_layout == contract.KV_STATIC
         check_graph_io(self._sess, path, model,
-                       required_inputs=(contract.INPUT_IDS, *self._past),
-                       optional_inputs=(contract.ATTENTION_MASK, contract.POSITION_IDS),
+                       required_inputs=(contract.INPUT_IDS, *self._past, *((contract.ATTENTION_MASK,) if static else ())),
+                       optional_inputs=() if static else (contract.ATTENTION_MASK, contract.POSITION_IDS),
                        required_outputs=(contract.LOGITS, *self._present))
-        if contract.POSITION_IDS not in names and model.model_type in POSITION_IDS_MODEL_TYPES:
+        if not static and contract.POSITION_IDS not in names and model.model_type in POSITION_IDS_MODEL_TYPES:
             raise BundleError(
                 f"{path}: the graph has no {contract.POSITION_IDS} input, but {model.model_type} graphs written by "
                 "`edgespec export` take one; this file was not made by edgespec: re-export the bundle")
@@ -284,7 +324,8 @@ class OnnxDecoderBackend(_PositionCache):
         self._has_pos = contract.POSITION_IDS in names
         self._dtype = _float_type(self._sess, self._past[0])
         self._logits_dtype = _float_type_out(self._sess, contract.LOGITS)
-        self._kv = _KVPingPong(len(self._past), model.num_kv_heads, model.head_size, self.max_length, self._dtype)
+        kv_cls = _KVInPlace if static else _KVPingPong
+        self._kv = kv_cls(len(self._past), model.num_kv_heads, model.head_size, self.max_length, self._dtype)
         self._bind = _Binder(self._sess, path.name)
         # Constant helper inputs: attention_mask is all ones (one unpadded sequence), position_ids
         # are an arange; a call binds a prefix / a window of them by pointer arithmetic.
@@ -297,7 +338,7 @@ class OnnxDecoderBackend(_PositionCache):
     def prefill(self, ids) -> np.ndarray:
         arr = _as_ids(ids, self.vocab_size)
         self._len = 0
-        self._kv.physical = 0
+        self._kv.reset()
         return self._forward(arr)[-1]
 
     def extend(self, ids) -> np.ndarray:
@@ -309,8 +350,7 @@ class OnnxDecoderBackend(_PositionCache):
         if total > self.max_length:
             raise PromptTooLongError(f"sequence would reach {total} tokens but the model has {self.max_length} positions; use a shorter prompt or fewer new tokens")
         kv, b = self._kv, self._bind
-        if kv.physical != p:
-            kv.compact(p)
+        kv.prepare(p)
         self._ids = arr
         b.input(contract.INPUT_IDS, np.int64, (1, k), arr.ctypes.data)
         if self._has_mask:
@@ -429,7 +469,7 @@ class OnnxSeq2SeqBackend(_PositionCache):
         cross = [np.empty((1, self._heads, s, self._head), dtype=self._dtype) for _ in self._cross_present]
         self._enc_state = (np.ascontiguousarray(hidden), mask, cross)
         self._len = 0
-        self._kv.physical = 0
+        self._kv.reset()
         return self._forward(np.array([[self._start]], dtype=np.int64))[-1]
 
     def extend(self, ids) -> np.ndarray:
@@ -444,8 +484,7 @@ class OnnxSeq2SeqBackend(_PositionCache):
             raise PromptTooLongError(f"decoder would reach {total} tokens but the model allows {self.max_length}; ask for fewer new tokens")
         hidden, mask, cross = self._enc_state
         kv = self._kv
-        if kv.physical != p:
-            kv.compact(p)
+        kv.prepare(p)
         self._ids = arr
         logits = np.empty((k, self.vocab_size), dtype=self._logits_dtype)
         lshape = (1, k, self.vocab_size)

@@ -49,7 +49,8 @@ def test_pair_export_manifest(tiny_bundle, arch):
     assert m["tokenizer_check"]["identical_token_to_id_mapping"] is True
     assert t["num_layers"] == 2 and d["num_layers"] == 1
     if arch == "llama":
-        assert (t["num_kv_heads"], t["head_size"]) == (2, 8)  # 4 query heads, 2 KV heads
+        assert (t["num_kv_heads"], t["head_size"]) == (2, 16)  # 4 query heads, 2 KV heads
+        assert t["kv_layout"] == d["kv_layout"] == "static"  # edgespec's in-place KV graph
     if arch == "t5":
         assert t["decoder_start_token_id"] == 0 and "encoder" in t["parameter_bytes"]
     assert not [p for p in bundle.parent.iterdir() if ".partial-" in p.name]

@@ -177,7 +177,7 @@ def test_manifest_is_self_describing(exported):
     assert m["model_type"] == "llama" and m["platforms"] == ["cpu"]
     assert m["max_length"] == MAX_LEN and m["verify_width"] == VERIFY and m["widths"] == list(WIDTHS)
     assert m["prefill_buckets"] == list(BUCKETS) and m["jax_version"] == jax.__version__
-    assert m["kv_shape"] == [2, 1, 2, MAX_LEN, 8]
+    assert m["kv_shape"] == [2, 1, 2, MAX_LEN, 16]  # 2 layers, batch 1, 2 KV heads, head size 16
     for kind in ("prefill", "extend"):
         for entry in m["artifacts"][kind].values():
             assert (exported["llama"] / "xla" / entry["file"]).stat().st_size > 0

@@ -69,9 +69,10 @@ def make_gpt2(folder: str | Path, *, n_layer: int = 2, n_embd: int = 32, n_head:
     return _save(GPT2LMHeadModel(cfg).eval(), Path(folder))
 
 
-def make_llama(folder: str | Path, *, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
+def make_llama(folder: str | Path, *, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                vocab_size: int = 96, max_positions: int = 128, seed: int = 0) -> Path:
-    """A Llama with grouped-query attention (``kv_heads < heads``)."""
+    """A Llama with grouped-query attention (``kv_heads < heads``); head size 16, so `edgespec export`
+    writes its static-KV graph (export/static_kv.py)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
