@@ -20,6 +20,33 @@ import numpy as np
 _BINS = 10
 _FORGET = 0.995   # per-round decay of the acceptance counts: follows drifting text
 _EWMA = 0.2
+_FORGET_TIME = 0.98  # per-round decay of the target-time fit
+
+
+class _LinearTime:
+    """t_target(k) = a + b k, a least-squares fit over past rounds with exponential forgetting.
+
+    A verify call of k tokens reads the weights once (the a part, memory bound) and does k times
+    the arithmetic (the b part, compute bound); on a CPU b is far from 0 (one extra token in a
+    call cost about 10% of a 1-token step on the benchmark target), so unmeasured widths must be
+    extrapolated from the measured ones, not taken as equal to the nearest one."""
+
+    def __init__(self):
+        self._s = np.zeros(5)  # [5] sums of 1, k, k^2, t, k t
+
+    def add(self, k: int, t: float) -> None:
+        self._s *= _FORGET_TIME
+        self._s += (1.0, k, k * k, t, k * t)
+
+    def __call__(self, k: int) -> float:
+        n, sk, skk, st, skt = self._s
+        if n == 0:
+            return 1.0
+        var = n * skk - sk * sk
+        if var <= 1e-9 * n * n:  # one width seen so far: no slope yet
+            return st / n
+        b = max(0.0, (n * skt - sk * st) / var)
+        return max(1e-9, (st - b * sk) / n + b * k)
 
 
 class AdaptiveGamma:
@@ -28,7 +55,7 @@ class AdaptiveGamma:
         self._kept = np.full(_BINS, 1.0)     # [bins] Beta(1, 1) prior on each bin's keep rate
         self._seen = np.full(_BINS, 2.0)     # [bins]
         self._t_draft: float | None = None   # seconds per draft call
-        self._t_target: dict[int, float] = {}  # verify width k -> seconds per target call
+        self._target_time = _LinearTime()     # verify width k -> seconds per target call
         self._prob = 1.0
         self._expected = 1.0
 
@@ -36,12 +63,6 @@ class AdaptiveGamma:
     def _keep_prob(self, confidence: float) -> float:
         b = min(int(confidence * _BINS), _BINS - 1)
         return float(self._kept[b] / self._seen[b])
-
-    def _target_time(self, k: int) -> float:
-        if not self._t_target:
-            return 1.0
-        nearest = min(self._t_target, key=lambda w: (abs(w - k), -w))
-        return self._t_target[nearest]
 
     # ---------------------------------------------------------------- per round
     def start_round(self) -> None:
@@ -72,6 +93,4 @@ class AdaptiveGamma:
         if g:
             per_call = draft_s / g
             self._t_draft = per_call if self._t_draft is None else (1 - _EWMA) * self._t_draft + _EWMA * per_call
-        k = g + 1
-        old = self._t_target.get(k)
-        self._t_target[k] = target_s if old is None else (1 - _EWMA) * old + _EWMA * target_s
+        self._target_time.add(g + 1, target_s)

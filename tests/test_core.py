@@ -319,3 +319,21 @@ def test_adaptive_policy_prefers_long_drafts_when_cheap_and_accurate():
         bad.update(np.full(2, 0.3), 0, draft_s=2 * 0.02, target_s=0.05)  # none kept, c = 0.4
     bad.start_round()
     assert steps == 8 and not bad.keep_going(1, 0.3)
+
+
+def test_adaptive_target_time_is_extrapolated_from_measured_widths():
+    """Verify cost grows with width on real hardware: widths never measured are predicted from a
+    linear fit of the measured ones, not copied from the nearest one."""
+    from edgespec.adaptive import _LinearTime
+    t = _LinearTime()
+    assert t(5) == 1.0                       # nothing measured: a neutral unit
+    t.add(3, 0.004)
+    assert t(9) == pytest.approx(0.004)      # one width: no slope to extrapolate with
+    for k in (2, 3, 5, 2, 5):
+        t.add(k, 0.002 + 0.0005 * k)
+    assert t(9) == pytest.approx(0.002 + 0.0005 * 9, rel=0.05)
+    assert t(9) > t(5) > t(2)
+    flat = _LinearTime()
+    for k in (2, 4, 2, 4):
+        flat.add(k, 0.003 - 0.0001 * k)      # noise that looks like a negative slope
+    assert flat(12) == pytest.approx(flat(2))  # clamped: a wider call is never predicted cheaper
