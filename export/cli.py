@@ -16,7 +16,7 @@ examples:
 Precision: fp32 by default. --quantize int8 applies ONNX Runtime dynamic int8 quantization
 (MatMul/Gemm weights int8, activations quantized at run time) to both models; --quantize-target /
 --quantize-draft set it per model and override --quantize. fp16 export is not supported yet.
-Graphs: Llama decoders get edgespec's static-KV graph (KV written in place, so rolling back a rejected
+Graphs: Llama and GPT-2 decoders get edgespec's static-KV graph (KV written in place, so rolling back a rejected
 draft copies nothing); other architectures are traced by optimum-onnx (--graph chooses).
 Every model is validated against PyTorch (prefill, 1-token step, multi-token step); above
 tolerance the export fails and nothing is written.
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32", help="export dtype (fp16 not supported yet)")
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset of optimum graphs (default: optimum's choice for the architecture)")
     parser.add_argument("--graph", choices=("auto", "static", "optimum"), default="auto",
-                        help="decoder graph: static = edgespec's Llama graph with an in-place KV cache (zero-copy "
+                        help="decoder graph: static = edgespec's Llama/GPT-2 graph with an in-place KV cache (zero-copy "
                              "rollback, fewer nodes); optimum = the traced graph (KV concat); auto (default) = static "
                              "where the architecture has one, else optimum")
     parser.add_argument("--atol", type=float, default=None, help="validation tolerance, fp32 graphs (default 1e-3)")

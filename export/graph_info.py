@@ -23,8 +23,8 @@ def parameter_bytes(path: Path) -> dict[str, int]:
 
     ``per_forward`` is what one forward actually reads from memory: every initializer except those
     consumed only as the data table of a Gather (token embeddings: a forward reads k rows of V, a
-    negligible k/V fraction), and the rotary cos/sin tables of a static-KV graph's attention op
-    (inputs 7 and 8: k rows of max_positions are read). Tied embeddings also feed the LM head
+    negligible k/V fraction), and position tables (a static-KV graph's Slice of GPT-2's wpe, the
+    cos/sin inputs 7 and 8 of its attention op: k rows of max_positions are read). Tied embeddings also feed the LM head
     MatMul, so they count there.
     """
     import onnx
@@ -40,7 +40,7 @@ def parameter_bytes(path: Path) -> dict[str, int]:
         size = int(np.prod(init.dims, dtype=np.int64)) * np.dtype(tensor_dtype_to_np_dtype(init.data_type)).itemsize
         total += size
         uses = consumers.get(init.name, [])
-        if uses and all((op == "Gather" and pos == 0) or (op == "GroupQueryAttention" and pos in (7, 8)) for op, pos in uses):
+        if uses and all(op in ("Gather", "Slice") and pos == 0 or (op == "GroupQueryAttention" and pos in (7, 8)) for op, pos in uses):
             continue
         per_forward += size
     return {"total": int(total), "per_forward": int(per_forward)}

@@ -112,8 +112,8 @@ def _max_positions(ckpt: Checkpoint) -> int:
 def _kv_layout(ckpt: Checkpoint, opts: ExportOptions) -> str:
     if ckpt.kind != contract.KIND_DECODER or opts.graph == "optimum":
         if opts.graph == "static":
-            raise UnsupportedArchitectureError(f"{ckpt.path}: --graph static is for decoder-only llama checkpoints, not "
-                                               f"{ckpt.model_type}; use --graph auto")
+            raise UnsupportedArchitectureError(f"{ckpt.path}: --graph static is for decoder-only checkpoints (llama, gpt2), "
+                                               f"not {ckpt.model_type}; use --graph auto")
         return contract.KV_CONCAT
     reason = static_kv.unsupported_reason(ckpt.model_type, ckpt.config)
     if reason is None:
@@ -137,7 +137,7 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, opts: Exp
     folder.mkdir(parents=True)
     if layout == contract.KV_STATIC:
         progress(f"{role}: writing the static-KV ONNX graph (in-place cache, GroupQueryAttention)")
-        opset = static_kv.build_llama(model, ckpt.config, folder / contract.DECODER_FILE, _max_positions(ckpt))
+        opset = static_kv.build(model, ckpt.model_type, ckpt.config, folder / contract.DECODER_FILE, _max_positions(ckpt))
         shutil.copy2(ckpt.path / contract.CONFIG_FILE, folder / contract.CONFIG_FILE)
     else:
         progress(f"{role}: exporting ONNX graphs with KV-cache IO (optimum)")

@@ -1,4 +1,4 @@
-"""Llama decoder graphs with an in-place ("static") KV cache: ``contract.KV_STATIC``.
+"""Decoder graphs with an in-place ("static") KV cache, ``contract.KV_STATIC``: Llama and GPT-2.
 
 Why not optimum's graph: it returns present = concat(past, new), so the cache moves through a new
 buffer every call, and after a rejected draft the runtime must compact the kept prefix (a copy)
@@ -10,14 +10,15 @@ buffer: a call writes the k new tokens' keys/values at positions [P, P + k) and 
 speculative loop needs after every round that rejects a draft.
 
 The rest of the graph is written directly too (as onnxruntime-genai's model builder does rather
-than traced): packed QKV and gate/up MatMuls, rotary embedding inside the attention op, RMSNorm as
-SimplifiedLayerNormalization. It has about 1/6 of the nodes of the traced graph, which matters for
-small models where per-node overhead is a large part of a step.
+than traced): packed QKV (and gate/up) MatMuls, rotary embedding inside the attention op, RMSNorm
+as SimplifiedLayerNormalization. It has a fraction of the nodes of the traced graph, which matters
+for small models, where per-node overhead is a large part of a step.
 
 Inputs and outputs follow the contract: ``input_ids`` [1, k], ``attention_mask`` [1, P + k]
-(all ones; the graph derives the attention op's seqlens_k = P + k - 1 and total length from it),
-``past_key_values.{i}.key|value`` -> ``present.{i}.key|value`` [1, kv_heads, max_positions, head],
-``logits`` [1, k, vocab]. The graph is numerically validated against PyTorch like every export.
+(all ones; the graph derives the attention op's seqlens_k = P + k - 1 and total length from it,
+and GPT-2's positions P..P+k-1), ``past_key_values.{i}.key|value`` -> ``present.{i}.key|value``
+[1, kv_heads, max_positions, head], ``logits`` [1, k, vocab]. The exporter validates the graph
+against PyTorch like every export.
 """
 from __future__ import annotations
 
@@ -29,106 +30,176 @@ from edgespec import contract
 
 OPSET = 17
 DATA_SUFFIX = ".data"  # weights live in <graph>.data next to the graph (external data, same folder)
+GQA_HEAD_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention kernel requires it
 
 
 def unsupported_reason(model_type: str, config: dict) -> str | None:
     """Why this checkpoint cannot get a static-KV graph (None if it can)."""
-    if model_type != "llama":
-        return f"model_type {model_type!r} (static-KV graphs are built for llama)"
-    if config.get("hidden_act", "silu") != "silu":
-        return f"hidden_act {config.get('hidden_act')!r} (needs silu)"
-    for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            return f"{key}=true (needs bias-free projections)"
-    if config.get("rope_scaling"):
-        return f"rope_scaling {config.get('rope_scaling')!r} (needs plain rotary embeddings)"
-    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
-    if not isinstance(heads, int) or not isinstance(hidden, int) or heads < 1:
-        return "config.json lacks num_attention_heads / hidden_size"
-    head = config.get("head_dim") or hidden // heads
-    if head % 16:
-        return f"head size {head} (ONNX Runtime's GroupQueryAttention needs a multiple of 16)"
+    if model_type == "llama":
+        if config.get("hidden_act", "silu") != "silu":
+            return f"hidden_act {config.get('hidden_act')!r} (needs silu)"
+        for key in ("attention_bias", "mlp_bias"):
+            if config.get(key):
+                return f"{key}=true (needs bias-free projections)"
+        if config.get("rope_scaling"):
+            return f"rope_scaling {config.get('rope_scaling')!r} (needs plain rotary embeddings)"
+        heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+        head = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0)
+    elif model_type == "gpt2":
+        if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            return f"activation_function {config.get('activation_function')!r} (needs gelu_new)"
+        for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+            if config.get(key):
+                return f"{key}=true"
+        if config.get("scale_attn_weights") is False:
+            return "scale_attn_weights=false"
+        heads, hidden = config.get("n_head"), config.get("n_embd")
+        head = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0
+    else:
+        return f"model_type {model_type!r} (static-KV graphs are built for llama and gpt2)"
+    if not head:
+        return "config.json lacks the attention head count / hidden size"
+    if head % GQA_HEAD_MULTIPLE:
+        return f"head size {head} (ONNX Runtime's GroupQueryAttention needs a multiple of {GQA_HEAD_MULTIPLE})"
     return None
 
 
-def build_llama(model, config: dict, out_path: Path, max_positions: int) -> int:
-    """Write the static-KV graph of a transformers Llama ``model`` to ``out_path``; return the opset."""
-    import onnx
-    from onnx import TensorProto
-    from onnx import helper as oh
-    from onnx import numpy_helper
+class _Graph:
+    """Nodes, initializers and IO of the graph being written."""
 
-    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    head = config.get("head_dim") or hidden // heads
-    vocab, eps = int(state["lm_head.weight"].shape[0]), float(config.get("rms_norm_eps", 1e-6))
-    theta = float(config.get("rope_theta", 10000.0))
-    inits, nodes = [], []
+    def __init__(self, state: dict[str, np.ndarray]):
+        from onnx import TensorProto, helper, numpy_helper
 
-    def weight(name: str, arr: np.ndarray) -> str:
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(arr, dtype=np.float32), name))
+        self.oh, self.nh, self.tp = helper, numpy_helper, TensorProto
+        self.state = state
+        self.nodes, self.inits = [], []
+        self.inputs = [helper.make_tensor_value_info(contract.INPUT_IDS, TensorProto.INT64, [1, "new"]),
+                       helper.make_tensor_value_info(contract.ATTENTION_MASK, TensorProto.INT64, [1, "total"])]
+        self.outputs = []
+
+    def weight(self, name: str, arr: np.ndarray, dtype=np.float32) -> str:
+        self.inits.append(self.nh.from_array(np.ascontiguousarray(arr, dtype=dtype), name))
         return name
 
-    def op(op_type: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs):
-        nodes.append(oh.make_node(op_type, inputs, outputs, domain=domain, **attrs))
+    def op(self, op_type: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs):
+        self.nodes.append(self.oh.make_node(op_type, inputs, outputs, domain=domain, **attrs))
         return outputs[0] if len(outputs) == 1 else outputs
 
+    def linear(self, x: str, name: str, w: np.ndarray, b: np.ndarray | None = None) -> str:
+        """x @ w (+ b); w is [in, out]."""
+        y = self.op("MatMul", [x, self.weight(name + ".w", w)], [name + ".mm"])
+        return y if b is None else self.op("Add", [y, self.weight(name + ".b", b)], [name])
+
+    def lengths(self) -> None:
+        """seqlens_k [1] = P + k - 1 and total_len [] = P + k (int32) from the all-ones mask [1, P + k]."""
+        self.weight("axis1", np.array([1]), np.int64)
+        self.weight("one", np.array(1), np.int64)
+        mask_sum = self.op("ReduceSum", [contract.ATTENTION_MASK, "axis1"], ["mask_sum"], keepdims=0)  # [1]
+        self.op("Cast", [self.op("Sub", [mask_sum, "one"], ["last_index"])], ["seqlens_k"], to=self.tp.INT32)
+        self.op("Cast", [self.seq_len(contract.ATTENTION_MASK, "total_len64")], ["total_len"], to=self.tp.INT32)
+
+    def seq_len(self, tensor: str, name: str) -> str:
+        """Axis 1 of a [1, n] input as an int64 scalar (Shape with start/end, then Squeeze: a Gather
+        on a Shape output is rewritten by ONNX Runtime's optimizer into a Slice it then rejects)."""
+        if not any(i.name == "axis0" for i in self.inits):
+            self.weight("axis0", np.array([0]), np.int64)
+        dim = self.op("Shape", [tensor], [name + ".1d"], start=1, end=2)                                # [1]
+        return self.op("Squeeze", [dim, "axis0"], [name])                                                # []
+
+    def attention(self, i: int, qkv: str, heads: int, kv_heads: int, head: int, rotary: bool) -> str:
+        """One layer's GroupQueryAttention over packed QKV, past and present sharing the buffer."""
+        past, present = contract.decoder_past_names(i + 1)[-2:], contract.decoder_present_names(i + 1)[-2:]
+        kv_shape = [1, kv_heads, "max_positions", head]
+        self.inputs += [self.oh.make_tensor_value_info(n, self.tp.FLOAT, kv_shape) for n in past]
+        self.outputs += [self.oh.make_tensor_value_info(n, self.tp.FLOAT, kv_shape) for n in present]
+        # key/value inputs empty: qkv is packed [1, k, (heads + 2 kv_heads) * head]. With rotary, the
+        # op rotates q and k at positions seqlens_k + 1 - k + j (the tables are cos_cache / sin_cache).
+        tables = ["cos_cache", "sin_cache"] if rotary else []
+        return self.op("GroupQueryAttention", [qkv, "", "", *past, "seqlens_k", "total_len", *tables],
+                       [f"l{i}.attn", *present], domain="com.microsoft",
+                       num_heads=heads, kv_num_heads=kv_heads, do_rotary=int(rotary), rotary_interleaved=0)[0]
+
+    def save(self, out_path: Path, vocab: int) -> int:
+        import onnx
+
+        self.outputs.insert(0, self.oh.make_tensor_value_info(contract.LOGITS, self.tp.FLOAT, [1, "new", vocab]))
+        graph = self.oh.make_graph(self.nodes, "edgespec_static_kv", self.inputs, self.outputs, self.inits)
+        model = self.oh.make_model(graph, opset_imports=[self.oh.make_opsetid("", OPSET), self.oh.make_opsetid("com.microsoft", 1)],
+                                   producer_name="edgespec")
+        model.ir_version = 8
+        onnx.save(model, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=out_path.name + DATA_SUFFIX, size_threshold=1024)
+        return OPSET
+
+
+def _llama(g: _Graph, config: dict, max_positions: int) -> int:
+    s = g.state
+    layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head = config.get("head_dim") or hidden // heads
+    eps, theta = float(config.get("rms_norm_eps", 1e-6)), float(config.get("rope_theta", 10000.0))
+
     def rms_norm(x: str, w: np.ndarray, name: str) -> str:
-        return op("SimplifiedLayerNormalization", [x, weight(name + ".w", w)], [name], axis=-1, epsilon=eps, stash_type=1)
+        return g.op("SimplifiedLayerNormalization", [x, g.weight(name + ".w", w)], [name], axis=-1, epsilon=eps, stash_type=1)
 
-    # Rotary tables [max_positions, head / 2] as in HF Llama (non-interleaved halves, section 3.4 of RoFormer).
-    inv_freq = 1.0 / theta ** (np.arange(0, head, 2, dtype=np.float64) / head)
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    weight("cos_cache", np.cos(angles))
-    weight("sin_cache", np.sin(angles))
-    # seqlens_k [1] = P + k - 1 and total_sequence_length [] = P + k, from the all-ones mask [1, P + k].
-    nodes.append(oh.make_node("Constant", [], ["axis1"], value=numpy_helper.from_array(np.array([1], np.int64))))
-    nodes.append(oh.make_node("Constant", [], ["one"], value=numpy_helper.from_array(np.array(1, np.int64))))
-    mask_sum = op("ReduceSum", [contract.ATTENTION_MASK, "axis1"], ["mask_sum"], keepdims=0)   # [1]
-    op("Cast", [op("Sub", [mask_sum, "one"], ["last_index"])], ["seqlens_k"], to=TensorProto.INT32)
-    shape = op("Shape", [contract.ATTENTION_MASK], ["mask_shape"])                              # [2]
-    op("Cast", [op("Gather", [shape, "one"], ["mask_len"], axis=0)], ["total_len"], to=TensorProto.INT32)
-
-    x = op("Gather", [weight("embed_tokens", state["model.embed_tokens.weight"]), contract.INPUT_IDS], ["h0"])
-    kv_shape = [1, kv_heads, "max_positions", head]
-    inputs = [oh.make_tensor_value_info(contract.INPUT_IDS, TensorProto.INT64, [1, "new"]),
-              oh.make_tensor_value_info(contract.ATTENTION_MASK, TensorProto.INT64, [1, "total"])]
-    outputs = [oh.make_tensor_value_info(contract.LOGITS, TensorProto.FLOAT, [1, "new", vocab])]
-    past, present = contract.decoder_past_names(layers), contract.decoder_present_names(layers)
+    # Rotary tables [max_positions, head / 2], HF Llama's non-interleaved halves.
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] / theta ** (np.arange(0, head, 2) / head)[None, :]
+    g.weight("cos_cache", np.cos(angles))
+    g.weight("sin_cache", np.sin(angles))
+    x = g.op("Gather", [g.weight("embed_tokens", s["model.embed_tokens.weight"]), contract.INPUT_IDS], ["h0"])
     for i in range(layers):
         p = f"model.layers.{i}."
-        n = rms_norm(x, state[p + "input_layernorm.weight"], f"l{i}.attn_norm")
-        qkv = np.concatenate([state[p + f"self_attn.{m}_proj.weight"] for m in "qkv"], axis=0).T  # [hidden, (H + 2 Hkv) d]
-        qkv_out = op("MatMul", [n, weight(f"l{i}.qkv", qkv)], [f"l{i}.qkv_out"])
-        pk, pv, ok, ov = past[2 * i], past[2 * i + 1], present[2 * i], present[2 * i + 1]
-        inputs += [oh.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape) for name in (pk, pv)]
-        outputs += [oh.make_tensor_value_info(name, TensorProto.FLOAT, kv_shape) for name in (ok, ov)]
-        # Packed QKV (key/value inputs empty); rotary applied inside at positions seqlens_k + 1 - k + j.
-        attn = op("GroupQueryAttention", [qkv_out, "", "", pk, pv, "seqlens_k", "total_len", "cos_cache", "sin_cache"],
-                  [f"l{i}.attn", ok, ov], domain="com.microsoft",
-                  num_heads=heads, kv_num_heads=kv_heads, do_rotary=1, rotary_interleaved=0)[0]
-        o = op("MatMul", [attn, weight(f"l{i}.o", state[p + "self_attn.o_proj.weight"].T)], [f"l{i}.o_out"])
-        x = op("Add", [x, o], [f"l{i}.resid"])
-        n = rms_norm(x, state[p + "post_attention_layernorm.weight"], f"l{i}.mlp_norm")
-        inter = state[p + "mlp.gate_proj.weight"].shape[0]
-        gate_up = np.concatenate([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]], axis=0).T
-        gu = op("MatMul", [n, weight(f"l{i}.gate_up", gate_up)], [f"l{i}.gu"])
-        split = f"l{i}.split"
-        inits.append(numpy_helper.from_array(np.array([inter, inter], np.int64), split))
-        g, u = op("Split", [gu, split], [f"l{i}.g", f"l{i}.u"], axis=-1)
-        silu = op("Mul", [g, op("Sigmoid", [g], [f"l{i}.sig"])], [f"l{i}.silu"])
-        down = op("MatMul", [op("Mul", [silu, u], [f"l{i}.act"]), weight(f"l{i}.down", state[p + "mlp.down_proj.weight"].T)],
-                  [f"l{i}.down_out"])
-        x = op("Add", [x, down], [f"h{i + 1}"])
-    n = rms_norm(x, state["model.norm.weight"], "final_norm")
-    op("MatMul", [n, weight("lm_head", state["lm_head.weight"].T)], [contract.LOGITS])
+        qkv = np.concatenate([s[p + f"self_attn.{m}_proj.weight"] for m in "qkv"], axis=0).T  # [hidden, (H + 2 Hkv) d]
+        attn = g.attention(i, g.linear(rms_norm(x, s[p + "input_layernorm.weight"], f"l{i}.ln1"), f"l{i}.qkv", qkv),
+                           heads, kv_heads, head, rotary=True)
+        x = g.op("Add", [x, g.linear(attn, f"l{i}.o", s[p + "self_attn.o_proj.weight"].T)], [f"l{i}.resid"])
+        inter = s[p + "mlp.gate_proj.weight"].shape[0]
+        gate_up = np.concatenate([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]], axis=0).T
+        gu = g.linear(rms_norm(x, s[p + "post_attention_layernorm.weight"], f"l{i}.ln2"), f"l{i}.gate_up", gate_up)
+        gate, up = g.op("Split", [gu, g.weight(f"l{i}.split", np.array([inter, inter]), np.int64)],
+                        [f"l{i}.gate", f"l{i}.up"], axis=-1)
+        silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], [f"l{i}.sig"])], [f"l{i}.silu"])
+        act = g.op("Mul", [silu, up], [f"l{i}.act"])
+        x = g.op("Add", [x, g.linear(act, f"l{i}.down", s[p + "mlp.down_proj.weight"].T)], [f"h{i + 1}"])
+    g.op("MatMul", [rms_norm(x, s["model.norm.weight"], "final_norm"), g.weight("lm_head", s["lm_head.weight"].T)], [contract.LOGITS])
+    return int(s["lm_head.weight"].shape[0])
 
-    graph = oh.make_graph(nodes, "edgespec_llama_static_kv", inputs, outputs, inits)
-    onnx_model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", OPSET), oh.make_opsetid("com.microsoft", 1)],
-                               producer_name="edgespec")
-    onnx_model.ir_version = 8
-    onnx.save(onnx_model, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=out_path.name + DATA_SUFFIX, size_threshold=1024)
-    return OPSET
+
+def _gpt2(g: _Graph, config: dict, max_positions: int) -> int:
+    s = g.state
+    layers, hidden, heads = config["n_layer"], config["n_embd"], config["n_head"]
+    eps = float(config.get("layer_norm_epsilon", 1e-5))
+
+    def layer_norm(x: str, prefix: str, name: str) -> str:
+        return g.op("LayerNormalization", [x, g.weight(name + ".w", s[prefix + ".weight"]), g.weight(name + ".b", s[prefix + ".bias"])],
+                    [name], axis=-1, epsilon=eps)
+
+    # Learned absolute positions P..P+k-1, P = total - k: rows [P, total) of the table (a Slice
+    # with 1-D bounds from the mask's and the ids' lengths).
+    g.seq_len(contract.INPUT_IDS, "new_len")
+    start = g.op("Sub", ["total_len64.1d", "new_len.1d"], ["past_len.1d"])                              # [1]
+    pos_emb = g.op("Slice", [g.weight("wpe", s["transformer.wpe.weight"]), start, "total_len64.1d", "axis0"], ["pos_emb"])
+    tok = g.op("Gather", [g.weight("wte", s["transformer.wte.weight"]), contract.INPUT_IDS], ["tok_emb"])
+    x = g.op("Add", [tok, pos_emb], ["h0"])
+    for i in range(layers):
+        p = f"transformer.h.{i}."
+        qkv = g.linear(layer_norm(x, p + "ln_1", f"l{i}.ln1"), f"l{i}.qkv", s[p + "attn.c_attn.weight"], s[p + "attn.c_attn.bias"])
+        attn = g.attention(i, qkv, heads, heads, hidden // heads, rotary=False)
+        x = g.op("Add", [x, g.linear(attn, f"l{i}.o", s[p + "attn.c_proj.weight"], s[p + "attn.c_proj.bias"])], [f"l{i}.resid"])
+        up = g.linear(layer_norm(x, p + "ln_2", f"l{i}.ln2"), f"l{i}.fc", s[p + "mlp.c_fc.weight"], s[p + "mlp.c_fc.bias"])
+        act = g.op("FastGelu", [up], [f"l{i}.gelu"], domain="com.microsoft")  # gelu_new: the tanh approximation
+        x = g.op("Add", [x, g.linear(act, f"l{i}.down", s[p + "mlp.c_proj.weight"], s[p + "mlp.c_proj.bias"])], [f"h{i + 1}"])
+    g.op("MatMul", [layer_norm(x, "transformer.ln_f", "final_norm"), g.weight("lm_head", s["lm_head.weight"].T)], [contract.LOGITS])
+    return int(s["lm_head.weight"].shape[0])
+
+
+BUILDERS = {"llama": _llama, "gpt2": _gpt2}
+
+
+def build(model, model_type: str, config: dict, out_path: Path, max_positions: int) -> int:
+    """Write the static-KV graph of a transformers ``model`` to ``out_path``; return the opset."""
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    g = _Graph(state)
+    g.lengths()
+    vocab = BUILDERS[model_type](g, config, max_positions)
+    return g.save(out_path, vocab)

@@ -283,13 +283,20 @@ HANDMADE = [
     (dict(extra=("secret_input",)), "unexpected input(s) secret_input"),
     (dict(kv_heads=4), "the manifest says [batch, 2, seq, 16]"),
     (dict(vocab=50), "manifest says vocab 96"),
+    # the same optimum-style graph under a manifest that promises the static (in-place KV) layout
+    (dict(layout="static"), "unexpected input(s) position_ids"),
 ]
 
 
 @pytest.mark.parametrize("kwargs,needle", HANDMADE, ids=[n or "ok" for _, n in HANDMADE])
 def test_handmade_onnx_with_missing_inputs(bundle_copy, capsys, kwargs, needle):
     b = bundle_copy()
+    kwargs = dict(kwargs)
+    layout = kwargs.pop("layout", contract.KV_CONCAT)
     _handmade_decoder(b / "target" / contract.DECODER_FILE, **kwargs)
+    manifest = json.loads((b / contract.MANIFEST_NAME).read_text())
+    manifest["models"]["target"]["kv_layout"] = layout  # the handmade graph follows the concat contract
+    (b / contract.MANIFEST_NAME).write_text(json.dumps(manifest))
     if needle is None:
         # the IO contract holds, so it loads; but its KV outputs do not grow: ONNX Runtime's failure
         # at run time is a ModelExecutionError, not a raw onnxruntime exception

@@ -1,4 +1,4 @@
-"""Static-KV Llama graphs (export/static_kv.py): same numbers as the traced graph, in-place rollback,
+"""Static-KV Llama and GPT-2 graphs (export/static_kv.py): same numbers as the traced graph, in-place rollback,
 and clear errors where the architecture has no static graph."""
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from edgespec.runtimes.onnx_backend import SessionConfig, open_backend
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def both_layouts(tiny_checkpoints, tmp_path_factory):
-    """The tiny Llama pair exported twice: static (the default) and optimum's concat graph."""
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def both_layouts(request, tiny_checkpoints, tmp_path_factory):
+    """A tiny pair exported twice: static (the default) and optimum's concat graph."""
     from edgespec.export.pipeline import ExportOptions, export_bundle
 
-    target, draft = tiny_checkpoints("llama")
-    root = tmp_path_factory.mktemp("layouts")
+    target, draft = tiny_checkpoints(request.param)
+    root = tmp_path_factory.mktemp(f"layouts-{request.param}")
     out = {}
     for graph in ("static", "optimum"):
         out[graph] = root / graph
@@ -86,11 +86,11 @@ def test_static_greedy_speculative_equals_plain(both_layouts):
 
 
 def test_static_graph_refused_where_unsupported(tiny_checkpoints, tmp_path, capsys):
-    target, _ = tiny_checkpoints("gpt2")
+    target, _ = tiny_checkpoints("t5")
     rc = main(["export", "--model", str(target), "--out", str(tmp_path / "b"), "--graph", "static", "--quiet"])
     assert rc != 0
     err = capsys.readouterr().err
-    assert "--graph" in err and "gpt2" in err and "Traceback" not in err
+    assert "--graph" in err and "t5" in err and "Traceback" not in err
     assert not (tmp_path / "b").exists()
 
     from tiny_models import make_llama
