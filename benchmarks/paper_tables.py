@@ -49,14 +49,16 @@ def ensure_bundle(pair: Path, name: str, draft_dir: Path) -> Path:
     from edgespec.errors import BundleError
     from edgespec.export.pipeline import export_bundle
 
+    from edgespec.export.pipeline import ExportOptions
+
     out = pair / "bundles" / name
     try:
-        load_bundle(out)
-        return out
+        if load_bundle(out).target.kv_layout == "static":  # else an export from before static-KV graphs
+            return out
     except BundleError:
         pass
     log(f"exporting target + {name} draft to {out}")
-    export_bundle(pair / "target", out, draft=draft_dir, progress=log)
+    export_bundle(pair / "target", out, draft=draft_dir, progress=log, options=ExportOptions(overwrite=True))
     return out
 
 

@@ -8,19 +8,39 @@ preset=${1:-bench}
 out=benchmarks/results/$preset
 mkdir -p "$out"
 pair=$(edgespec train-pair --preset "$preset" --print-path)
-bundle="$pair/bundle"
-[ -f "$bundle/edgespec.json" ] || edgespec export --target "$pair/target" --draft "$pair/draft" --out "$bundle"
-# a distilled draft of the pair draft's size (issue: drafts of several sizes, including a distilled one)
-[ -f "$pair/distilled/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled" --init "$pair/draft" --steps 100 --mode mix --no-progress
-# 1. the bench grid on the pair (issue 4 targets and issue 8 adaptive vs static)
-edgespec bench "$bundle" --gammas 1,2,3,4,6,8,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench"
-# 2. the same grid with the distilled draft
-[ -f "$pair/bundles/distilled/edgespec.json" ] || edgespec export --target "$pair/target" --draft "$pair/distilled" --out "$pair/bundles/distilled"
-edgespec bench "$pair/bundles/distilled" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench-distilled"
-# 3. the paper's tables 2-5 and figure 3
-python benchmarks/paper_tables.py --pair "$pair" --draft distilled="$pair/distilled" --gammas 2,4,6 --repeats 3 --out "$out/tables"
-# 4. peers side by side
-python benchmarks/peers.py --pair "$pair" --bundle "$pair/bundles/distilled" --draft-dir "$pair/distilled" --out "$out/peers"
-# 5. the XLA reference path on the same pair: greedy identity with ONNX Runtime and both runtimes' speed
-[ -f "$pair/bundle-xla/edgespec.json" ] || edgespec export --target "$pair/target" --draft "$pair/draft" --out "$pair/bundle-xla" --format onnx+xla
+
+# Drafts: the pair's own (1 layer, 0.5 M), a distilled one of the same size, and a distilled
+# 2-layer one (1.7 M: `--size large`, 600 + 600 steps, the second run continuing the first).
+[ -f "$pair/distilled/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled" --init "$pair/draft" --steps 150 --mode mix --no-progress
+[ -f "$pair/distilled-large/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large" --size large --steps 600 --no-progress
+[ -f "$pair/distilled-large2/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large2" --size large --init "$pair/distilled-large" --steps 600 --lr 2e-3 --seed 1 --no-progress
+
+# Bundles (static-KV graphs, the exporter's default for Llama); re-exported if an older export
+# with optimum's concat graphs is in the way.
+bundle_of() {  # bundle_of NAME DRAFT_DIR -> prints the bundle folder
+  local b="$pair/bundles/$1"
+  grep -q '"kv_layout": "static"' "$b/edgespec.json" 2>/dev/null ||
+    edgespec export --target "$pair/target" --draft "$2" --out "$b" --overwrite --quiet >&2
+  echo "$b"
+}
+pair_bundle=$(bundle_of pair-draft "$pair/draft")
+small=$(bundle_of distilled "$pair/distilled")
+large=$(bundle_of distilled-large2 "$pair/distilled-large2")
+
+# 1. the bench grid (issue 4 targets, issue 8 adaptive vs static) with the best draft, 1 thread per
+#    model and 2 threads for the target
+edgespec bench "$large" --gammas 2,3,4,5,6,auto --temperatures 0,1 --threads 1 --spin off --repeats 5 --out "$out/bench-large"
+edgespec bench "$large" --gammas 3,4,5,auto --temperatures 0,1 --threads 2 --draft-threads 1 --spin off --repeats 5 --out "$out/bench-large-2threads"
+# 2. the same grid with the pair's own draft and the small distilled draft
+edgespec bench "$pair_bundle" --gammas 1,2,3,4,6,8,auto --temperatures 0,1 --threads 1 --spin off --repeats 5 --out "$out/bench"
+edgespec bench "$small" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --spin off --repeats 5 --out "$out/bench-distilled"
+# 3. what a draft-length policy can gain at greedy (static sweep, adaptive, best threshold, oracle)
+python benchmarks/adaptive_bound.py "$large" --out "$out/adaptive-bound"
+# 4. the paper's tables 2-5 and figure 3
+python benchmarks/paper_tables.py --pair "$pair" --draft distilled="$pair/distilled" --draft distilled-large2="$pair/distilled-large2" --gammas 2,4,6 --repeats 3 --out "$out/tables"
+# 5. peers side by side (onnxruntime-genai runs the same bundle's graphs)
+python benchmarks/peers.py --pair "$pair" --bundle "$large" --draft-dir "$pair/distilled-large2" --out "$out/peers"
+# 6. the XLA reference path on the same pair: greedy identity with ONNX Runtime and both runtimes' speed
+grep -q '"kv_layout": "static"' "$pair/bundle-xla/edgespec.json" 2>/dev/null ||
+  edgespec export --target "$pair/target" --draft "$pair/draft" --out "$pair/bundle-xla" --format onnx+xla --overwrite --quiet
 python benchmarks/runtimes.py --bundle "$pair/bundle-xla" --out "$out/runtimes"

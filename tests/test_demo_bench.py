@@ -51,3 +51,49 @@ def test_bench_bad_input(tiny_bundle, tmp_path, capsys):
     assert main(["bench", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "--gammas" in err and "Traceback" not in err
+
+
+def test_adaptive_bound_replays_a_greedy_trace(tiny_checkpoints, tmp_path):
+    """benchmarks/adaptive_bound.py runs on a bundle; its replay agrees with the real loop on how
+    many target calls a static gamma needs (the trace replay is exact at temperature 0)."""
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    import edgespec
+
+    spec = importlib.util.spec_from_file_location("adaptive_bound", Path(__file__).parents[1] / "benchmarks" / "adaptive_bound.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    # a draft that agrees with the target often but not always: the target with noisy weights
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from edgespec.export.pipeline import export_bundle
+    target, _ = tiny_checkpoints("llama")
+    noisy = tmp_path / "noisy-draft"
+    shutil.copytree(target, noisy)
+    weights = load_file(noisy / "model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    save_file({k: v + 0.6 * v.std() * torch.randn(v.shape, generator=gen) if v.ndim == 2 else v
+               for k, v in weights.items()}, noisy / "model.safetensors")
+    bundle = tmp_path / "bundle"
+    export_bundle(target, bundle, draft=noisy, progress=None)
+    eng = edgespec.load(bundle, threads=1)
+    ids = [5, 9, 13, 22, 31, 7]
+    tr = ab.trace(eng, [ids], 30, eng.manifest.shared_vocab_size)
+    assert 0.2 < np.mean(tr[0]["match"]) < 0.95  # some drafts kept, some not
+    # replay with unit costs counts target calls per emitted token: compare with the loop's own count
+    for gamma in (1, 3):
+        real = eng.generate(ids, max_new_tokens=30, temperature=0, gamma=gamma).stats
+        rate = ab.replay(tr, gamma, 0.0, lambda k: 1.0)           # tokens per target call
+        n = len(tr[0]["match"])
+        assert real.emitted == n and real.target_calls - 1 == round(n / rate), gamma  # prefill call excluded
+    out = tmp_path / "ab"
+    assert ab.main([str(bundle), "--out", str(out), "--new-tokens", "16"]) == 0
+    data = json.loads((out / "adaptive_bound.json").read_text())
+    assert data["best_static_gamma"] in range(1, 11)
+    assert all(np.isfinite(v) and v > 0 for v in data["policies"].values())
