@@ -92,6 +92,7 @@ class _Graph:
 
     def lengths(self) -> None:
         """seqlens_k [1] = P + k - 1 and total_len [] = P + k (int32) from the all-ones mask [1, P + k]."""
+        self.weight("axis0", np.array([0]), np.int64)
         self.weight("axis1", np.array([1]), np.int64)
         self.weight("one", np.array(1), np.int64)
         mask_sum = self.op("ReduceSum", [contract.ATTENTION_MASK, "axis1"], ["mask_sum"], keepdims=0)  # [1]
@@ -99,10 +100,8 @@ class _Graph:
         self.op("Cast", [self.seq_len(contract.ATTENTION_MASK, "total_len64")], ["total_len"], to=self.tp.INT32)
 
     def seq_len(self, tensor: str, name: str) -> str:
-        """Axis 1 of a [1, n] input as an int64 scalar (Shape with start/end, then Squeeze: a Gather
+        """Axis 1 of a [1, n] input as an int64 scalar ``name`` and 1-D ``name.1d`` (Shape with start/end, then Squeeze: a Gather
         on a Shape output is rewritten by ONNX Runtime's optimizer into a Slice it then rejects)."""
-        if not any(i.name == "axis0" for i in self.inits):
-            self.weight("axis0", np.array([0]), np.int64)
         dim = self.op("Shape", [tensor], [name + ".1d"], start=1, end=2)                                # [1]
         return self.op("Squeeze", [dim, "axis0"], [name])                                                # []
 
