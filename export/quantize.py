@@ -1,6 +1,7 @@
 """Post-export precision changes, per model."""
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -24,12 +25,18 @@ def quantize_int8(graph: Path) -> None:
 
     tmp = graph.with_name(graph.stem + ".int8.onnx")
     old_data = set(onnx_external_data_locations(graph))
+    root = logging.getLogger()
+    level = root.level
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        root.setLevel(logging.ERROR)  # the quantizer logs a pre-processing suggestion on the root logger
         # DefaultTensorType: ONNX shape inference stops at contrib ops (GroupQueryAttention in
         # static-KV graphs); every activation in these graphs is fp32.
-        quantize_dynamic(str(graph), str(tmp), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
-                         extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        try:
+            quantize_dynamic(str(graph), str(tmp), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+        finally:
+            root.setLevel(level)
     os.replace(tmp, graph)
     for loc in old_data - set(onnx_external_data_locations(graph)):  # fp32 weights now unused
         (graph.parent / loc).unlink(missing_ok=True)
