@@ -346,15 +346,19 @@ class Engine:
 
 
 def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,
-         threads: int = 0, draft_threads: int | None = None, spinning: bool | None = None,
+         threads: int = 0, draft_threads: int = 1, spinning: bool | None = None,
          draft_spinning: bool | None = None, load_draft: bool = True, runtime: str = "onnx",
          platform: str | None = None) -> Engine:
     """Open a bundle: verify it, build ONNX Runtime sessions for the target (and the draft).
 
     ``providers`` / ``draft_providers``: ordered execution providers (``cpu``, ``cuda``, ``coreml``,
     ``openvino``, ``dml``, ``qnn``, ``xnnpack``, ... or ORT names); an unavailable one raises
-    ProviderError, there is no silent fallback. The draft defaults to the target's settings.
-    ``threads``: intra-op threads (0 = ORT default); ``spinning``: thread spin-waiting on/off.
+    ProviderError, there is no silent fallback; the draft defaults to the target's providers.
+    ``threads``: the target's intra-op threads (0 = ORT default: one per physical core);
+    ``draft_threads``: the draft's (default 1: a draft step is too small to split, and a second
+    multi-threaded pool would contend for the cores with the target's spin-waiting threads; on
+    the benchmark machine a 2-thread draft cut speculative tokens/s by a third);
+    ``spinning``: thread spin-waiting on/off (None: ORT default, on).
     ``runtime="xla"`` runs the bundle's jax.export artifacts instead (``edgespec export --format
     onnx+xla``) on ``platform`` (cpu, cuda, tpu; default: JAX's default device).
     """
@@ -367,7 +371,7 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     target_cfg = SessionConfig(providers=resolve_providers(providers), intra_op_threads=threads, spinning=spinning)
     draft_cfg = SessionConfig(
         providers=resolve_providers(providers if draft_providers is None else draft_providers),
-        intra_op_threads=threads if draft_threads is None else draft_threads,
+        intra_op_threads=threads if draft_threads is None else draft_threads,  # None: same as the target
         spinning=spinning if draft_spinning is None else draft_spinning,
     )
     tm = manifest.target

@@ -34,7 +34,7 @@ def kv_bytes_per_token(model) -> int:
 
 
 def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), threads: int = 0,
-                draft_threads: int | None = None, spinning: bool | None = None, engine=None) -> OpenedBundle:
+                draft_threads: int | None = 1, spinning: bool | None = None, engine=None) -> OpenedBundle:
     """Wrap the backends of ``engine`` (an already loaded Engine) or of a newly loaded one."""
     from .api import load
 
@@ -90,8 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--provider", default="cpu", help="execution providers, comma list in priority order")
     p.add_argument("--threads", type=int, default=0, help="target intra-op threads (0 = ORT default)")
-    p.add_argument("--draft-threads", type=int, default=None)
-    p.add_argument("--spin", choices=("on", "off", "default"), default="off", help="ORT thread spin-waiting")
+    p.add_argument("--draft-threads", type=int, default=1, help="draft intra-op threads (default 1)")
+    p.add_argument("--spin", choices=("on", "off", "default"), default="default",
+                   help="ORT thread spin-waiting (default: ORT's, on; it only matters with more than one thread)")
     p.add_argument("--out", type=Path, default=None, help="folder for bench.json and PNG plots")
     p.add_argument("--quiet", action="store_true")
 

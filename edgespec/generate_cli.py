@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--provider", default="cpu", help="comma-separated execution providers for the target, in order (default cpu)")
     parser.add_argument("--draft-provider", default=None, help="providers for the draft (default: --provider)")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads for the target (0 = ORT default)")
-    parser.add_argument("--draft-threads", type=int, default=None, help="intra-op threads for the draft (default: --threads)")
+    parser.add_argument("--draft-threads", type=int, default=1, help="intra-op threads for the draft (default 1)")
     parser.add_argument("--no-spin", action="store_true", help="disable ONNX Runtime thread spin-waiting")
     parser.add_argument("--runtime", choices=("onnx", "xla"), default="onnx",
                         help="onnx (default) or xla (jax.export artifacts: export with --format onnx+xla)")
