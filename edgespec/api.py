@@ -27,6 +27,7 @@ import numpy as np
 
 from . import contract
 from .bundle import BundleManifest, load_bundle
+from .adaptive import AdaptiveGamma
 from .config import GenerationConfig, SamplingConfig
 from .drafters import NgramDrafter
 from .errors import BundleError, EngineBusyError, InvalidArgumentError, PromptTooLongError, TokenizerMismatchError
@@ -197,6 +198,10 @@ class Engine:
         self.root, self.manifest = root, manifest
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self._guard = _EngineGuard()
+        # Adaptive draft-length policies, one per (sampling, lenience, drafter, max_gamma): what one
+        # learns (keep rate by draft confidence, call times) is a property of the pair and the
+        # machine, so later calls start from it instead of from scratch.
+        self._policies: dict[tuple, AdaptiveGamma] = {}
 
     @property
     def busy_timeout(self) -> float | None:
@@ -272,7 +277,9 @@ class Engine:
         ``drafter="model"`` drafts with the bundle's draft model; ``drafter="ngram"`` drafts by prompt
         lookup (continuations of earlier text; no second model, still exact).
 
-        ``temperature=0`` is greedy; ``gamma=None`` lets edgespec choose the draft length per round.
+        ``temperature=0`` is greedy; ``gamma=None`` lets edgespec choose the draft length per round
+        (the policy keeps what it learned for later calls with the same sampling settings; its
+        choices follow measured call times, so with sampling a seed no longer fixes the output).
         With the ONNX runtime any gamma >= 1 works (the graphs take any number of new tokens); with
         ``runtime="xla"`` gamma + 1 may not exceed the artifacts' verify width (xla.json, default 9);
         ``use_draft=False`` (or a single-model bundle) decodes plainly with the target.
@@ -318,7 +325,11 @@ class Engine:
         self._check_lengths(len(ids), max_new_tokens, use_draft)
         rng = np.random.default_rng(seed)
         draft = NgramDrafter() if ngram else self.draft if use_draft else None
-        blocks = iter_generate(self.target, ids, config, rng, draft=draft)
+        policy = None
+        if gamma is None and draft is not None:
+            key = (config.sampling, lenience, drafter, max_gamma)
+            policy = self._policies.setdefault(key, AdaptiveGamma(max_gamma))
+        blocks = iter_generate(self.target, ids, config, rng, draft=draft, policy=policy)
         detok = _Detokenizer(self.tokenizer) if stream else None
 
         def finish(result) -> GenerationOutput:

@@ -183,12 +183,17 @@ def _plain_step(target: Backend, generated: list[int], config: GenerationConfig,
 
 
 def iter_generate(target: Backend, prompt_ids: Sequence[int], config: GenerationConfig,
-                  rng: np.random.Generator, draft=None) -> Generator[Block, None, GenerationResult]:
+                  rng: np.random.Generator, draft=None,
+                  policy: AdaptiveGamma | None = None) -> Generator[Block, None, GenerationResult]:
     """Generate, yielding each Block of committed tokens as soon as it is committed.
 
     ``draft`` is a Backend (a draft model), a drafter object (``start``/``propose``/``rollback``),
-    or None for plain autoregressive decoding. The generator's return value is the
-    GenerationResult. Randomness comes only from ``rng``: the same seed gives the same output.
+    or None for plain autoregressive decoding. With ``config.gamma=None``, ``policy`` chooses the
+    draft length per round and keeps learning (pass the same one to later calls to carry what it
+    learned over; default: a fresh AdaptiveGamma). The generator's return value is the
+    GenerationResult. Randomness comes only from ``rng``: the same seed gives the same output
+    (except with an adaptive policy at temperature > 0: its draft lengths follow measured call
+    times, so the same seed may consume the generator differently; the distribution is unchanged).
     """
     if not isinstance(rng, np.random.Generator):
         raise InvalidArgumentError("rng must be a numpy.random.Generator, e.g. np.random.default_rng(seed)")
@@ -237,7 +242,10 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     block, reason = commit([first], [TARGET])
     stats.ttft_s = time.perf_counter() - start
     yield block
-    policy = AdaptiveGamma(config.max_gamma) if config.gamma is None and drafter is not None else None
+    if config.gamma is None and drafter is not None:
+        policy = policy if policy is not None else AdaptiveGamma(config.max_gamma)
+    else:
+        policy = None
     while reason is None:
         remaining = config.max_new_tokens - len(out)
         gamma = 0
@@ -258,9 +266,10 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
 
 def generate(target: Backend, prompt_ids: Sequence[int], config: GenerationConfig,
              rng: np.random.Generator, draft=None,
-             on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+             on_tokens: Callable[[list[int]], None] | None = None,
+             policy: AdaptiveGamma | None = None) -> GenerationResult:
     """Run :func:`iter_generate` to the end; ``on_tokens`` receives each committed block."""
-    it = iter_generate(target, prompt_ids, config, rng, draft)
+    it = iter_generate(target, prompt_ids, config, rng, draft, policy)
     while True:
         try:
             block = next(it)

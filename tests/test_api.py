@@ -138,3 +138,18 @@ def test_load_errors(tmp_path, bundle_copy, tiny_bundle):
     f.write_bytes(f.read_bytes()[:1000])
     with pytest.raises(BundleError, match="truncated"):
         load(b)
+
+
+def test_adaptive_policy_persists_across_calls(tiny_bundle):
+    """gamma=None: the engine keeps one learning policy per sampling setting, so a later call starts
+    from what earlier calls measured (and greedy output stays the target's)."""
+    eng = load(tiny_bundle("llama"), threads=1)
+    plain = eng.generate([5, 9, 13], max_new_tokens=20, temperature=0, use_draft=False).ids
+    learned = []
+    for _ in range(2):
+        assert eng.generate([5, 9, 13], max_new_tokens=20, temperature=0, gamma=None).ids == plain
+        greedy = next(p for k, p in eng._policies.items() if k[0].greedy)
+        learned.append(greedy._target_time._s[0])  # (decayed) number of rounds it has timed
+    assert learned[1] > 1.3 * learned[0]  # the second call added to the first call's rounds
+    eng.generate([5, 9, 13], max_new_tokens=20, temperature=1.0, gamma=None, seed=0)
+    assert len(eng._policies) == 2  # one for greedy, one for T=1
