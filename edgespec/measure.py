@@ -12,6 +12,7 @@ import numpy as np
 
 from . import theory
 from .config import GenerationConfig, SamplingConfig
+from .adaptive import AdaptiveGamma
 from .loop import GenerationStats, generate
 
 
@@ -143,6 +144,9 @@ def run_setting(target: ReadCounter, draft: ReadCounter | None, prompts: Sequenc
                            lenience=setting.lenience, eos_token_ids=eos_token_ids,
                            max_gamma=max(8, setting.gamma or 8), vocab_size=vocab_size)
     res = SettingResult(setting)
+    # One adaptive policy for the whole setting, as an Engine keeps one across calls: the warm-up
+    # repeat is also its first lesson.
+    policy = AdaptiveGamma(cfg.max_gamma) if setting.gamma is None else None
     plain_reads = [0, 0, 0]   # target bytes, tokens
     spec_reads = [0, 0, 0, 0]  # target bytes, draft bytes, tokens
     for rep in range(warmup + repeats):
@@ -156,7 +160,7 @@ def run_setting(target: ReadCounter, draft: ReadCounter | None, prompts: Sequenc
                 if draft is not None:
                     draft.reset()
                 t0 = time.perf_counter()
-                r = generate(target, prompt, cfg, rng, drafter)
+                r = generate(target, prompt, cfg, rng, drafter, policy=policy)
                 dt = time.perf_counter() - t0
                 tot = totals[mode]
                 tot[0] += len(r.tokens)
