@@ -59,7 +59,7 @@ def _decoder_block(bundle: Path, role: str, m: dict, threads: int) -> dict:
     }
 
 
-def build_genai_folder(bundle: Path, speculative: bool, gamma: int, threads: int) -> Path:
+def build_genai_folder(bundle: Path, speculative: bool, gamma: int, threads: int, draft_threads: int | None = None) -> Path:
     """A temporary genai model folder for the bundle: links to its files plus genai_config.json."""
     manifest = json.loads((bundle / "edgespec.json").read_text())
     models = manifest["models"]
@@ -100,20 +100,20 @@ def build_genai_folder(bundle: Path, speculative: bool, gamma: int, threads: int
                          "num_return_sequences": 1, "max_length": t["max_positions"], "min_length": 0,
                          "repetition_penalty": 1.0, "past_present_share_buffer": False}}
     if speculative:
-        model["draft"] = _decoder_block(bundle, "draft", models["draft"], threads)
+        model["draft"] = _decoder_block(bundle, "draft", models["draft"], threads if draft_threads is None else draft_threads)
         config["speculative"] = {"max_draft_tokens": gamma}
     (folder / "genai_config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
 class GenaiPeer:
-    def __init__(self, bundle: Path, speculative: bool, gamma: int, threads: int):
+    def __init__(self, bundle: Path, speculative: bool, gamma: int, threads: int, draft_threads: int | None = None):
         import onnxruntime_genai as og
 
         self.og = og
         self.speculative = speculative
         self.gamma = gamma
-        self.folder = build_genai_folder(bundle, speculative, gamma, threads)
+        self.folder = build_genai_folder(bundle, speculative, gamma, threads, draft_threads)
         target = json.loads((bundle / "edgespec.json").read_text())["models"]["target"]
         self.max_positions = target["max_positions"]
         self.eos_ids = set(target["eos_token_ids"])
@@ -161,6 +161,7 @@ def _args(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0, help="seed of prompt i in repeat r: seed + 1000 * r + i")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-threads", type=int, default=None, help="intra-op threads of genai's draft session (default --threads)")
     ap.add_argument("--speculative", action="store_true", help="genai's draft-model speculative decoding")
     ap.add_argument("--gamma", type=int, default=4, help="draft tokens per round (speculative.max_draft_tokens)")
     ap.add_argument("--serve", action="store_true", help="answer JSON requests on stdin (used by peers.py)")
@@ -189,7 +190,7 @@ def serve(peer: GenaiPeer) -> int:
 
 def main(argv=None) -> int:
     args = _args(argv)
-    peer = GenaiPeer(args.bundle, args.speculative, args.gamma, args.threads)
+    peer = GenaiPeer(args.bundle, args.speculative, args.gamma, args.threads, args.draft_threads)
     if args.serve:
         return serve(peer)
     prompts = json.loads(args.prompt_ids_file.read_text())

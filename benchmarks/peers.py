@@ -49,7 +49,7 @@ def hf_runner(pair: Path, threads: int, draft_dir: Path | None = None):
     return run, None
 
 
-def genai_runner(bundle: Path, threads: int = 1):
+def genai_runner(bundle: Path, threads: int = 1, draft_threads: int = 1):
     """onnxruntime-genai on the bundle's own ONNX graphs, run by benchmarks/genai_peer.py in genai's own
     environment (EDGESPEC_GENAI_PYTHON, else <repo>/.venv-genai/bin/python, else this python if it has
     onnxruntime_genai). One long-lived child per mode keeps the model loaded; each call sends one prompt
@@ -86,7 +86,8 @@ def genai_runner(bundle: Path, threads: int = 1):
     def worker(speculative: bool, gamma: int):
         key = (speculative, gamma if speculative else None)
         if key not in workers:
-            cmd = [python, str(script), "--serve", "--bundle", str(bundle), "--threads", str(threads)]
+            cmd = [python, str(script), "--serve", "--bundle", str(bundle), "--threads", str(threads),
+                   "--draft-threads", str(draft_threads)]
             if speculative:
                 cmd += ["--speculative", "--gamma", str(gamma)]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -126,15 +127,18 @@ def main() -> int:
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="target intra-op threads, every system (default 1)")
+    ap.add_argument("--draft-threads", type=int, default=1, help="draft intra-op threads, edgespec and genai (default 1)")
+    ap.add_argument("--spin", choices=("on", "off"), default="on",
+                    help="edgespec's ORT spin-waiting (default on, ORT's default, which genai keeps)")
     args = ap.parse_args()
     import edgespec
 
     bundle = args.bundle or args.pair / "bundle"
-    eng = edgespec.load(bundle, threads=args.threads, spinning=False)
+    eng = edgespec.load(bundle, threads=args.threads, draft_threads=args.draft_threads, spinning=args.spin == "on")
     prompts = [eng.encode(p) for p in CODE_PROMPTS[:4]]
     hf, hf_note = hf_runner(args.pair, args.threads, args.draft_dir)
-    genai, genai_note = genai_runner(bundle, args.threads)
+    genai, genai_note = genai_runner(bundle, args.threads, args.draft_threads)
     notes = {"transformers": hf_note or "measured", "onnxruntime-genai": genai_note}
     for k, v in notes.items():
         log(f"{k}: {v}")
@@ -171,7 +175,8 @@ def main() -> int:
         results[f"T={t:g}"] = {name: {"tokens_per_s": statistics.median(v), "all": v,
                                       "ratio_to_edgespec_speculative": statistics.median(v) / base}
                                for name, v in tps.items()}
-    payload = {"pair": str(args.pair), "machine": machine_description(), "threads": args.threads, "gamma": args.gamma,
+    payload = {"pair": str(args.pair), "machine": machine_description(), "threads": args.threads,
+               "draft_threads": args.draft_threads, "spin": args.spin, "gamma": args.gamma,
                "repeats": args.repeats, "max_new_tokens": args.max_new_tokens, "notes": notes, "results": results,
                "command": " ".join(sys.argv)}
     write_json(args.out / "peers.json", payload)

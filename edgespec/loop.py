@@ -174,7 +174,10 @@ def _plain_step(target: Backend, generated: list[int], config: GenerationConfig,
     t0 = time.perf_counter()
     logits = target.extend(np.asarray(generated[-1:], dtype=np.int64))[:, :vocab]  # [1, V]
     t1 = time.perf_counter()
-    token = sample_index(process_logits(logits, config.sampling, "target model")[0], rng.random())
+    if config.sampling.greedy and np.isfinite(logits.max()):
+        token = int(np.argmax(logits[0]))  # = sampling process_logits' one-hot (first index on ties)
+    else:
+        token = sample_index(process_logits(logits, config.sampling, "target model")[0], rng.random())
     stats.target_calls += 1
     stats.plain_steps += 1
     stats.target_s += t1 - t0
