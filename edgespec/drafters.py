@@ -46,10 +46,19 @@ class ModelDrafter:
         q = np.empty((gamma, vocab))                                           # [gamma, V]
         conf = np.zeros(gamma)                                                 # [gamma] q_i(x_i)
         g = 0
+        greedy = sampling.greedy
+        if greedy:
+            q.fill(0.0)
         while g < gamma:
             logits = b.extend(feed)[-1:, :vocab]                               # [1, V]
-            q[g] = process_logits(logits, sampling, "draft model")[0]
-            ids[g] = sample_index(q[g], rng.random())
+            if greedy and np.isfinite(logits.max()):
+                # q is one-hot on the argmax (first index on ties): process_logits + sample_index
+                # give the same, without building and scanning the row (the draft's hot path)
+                ids[g] = int(np.argmax(logits[0]))
+                q[g, ids[g]] = 1.0
+            else:
+                q[g] = process_logits(logits, sampling, "draft model")[0]
+                ids[g] = sample_index(q[g], rng.random())
             # confidence (only for a length policy): the probability the draft gave its token; for
             # greedy (q one-hot) the draft's softmax probability of its argmax, still a sureness signal.
             if keep_going is not None:
