@@ -17,29 +17,33 @@ pair=$(edgespec train-pair --preset "$preset" --print-path)
 
 # Bundles (static-KV graphs, the exporter's default for Llama); re-exported if an older export
 # with optimum's concat graphs is in the way.
-bundle_of() {  # bundle_of NAME DRAFT_DIR -> prints the bundle folder
-  local b="$pair/bundles/$1"
+bundle_of() {  # bundle_of NAME DRAFT_DIR [export options] -> prints the bundle folder
+  local b="$pair/bundles/$1" draft="$2"
+  shift 2
   grep -q '"kv_layout": "static"' "$b/edgespec.json" 2>/dev/null ||
-    edgespec export --target "$pair/target" --draft "$2" --out "$b" --overwrite --quiet >&2
+    edgespec export --target "$pair/target" --draft "$draft" --out "$b" --overwrite --quiet "$@" >&2
   echo "$b"
 }
 pair_bundle=$(bundle_of pair-draft "$pair/draft")
 small=$(bundle_of distilled "$pair/distilled")
-large=$(bundle_of distilled-large2 "$pair/distilled-large2")
+# the best draft, int8: the draft's weights are read once per drafted token, so 4x fewer bytes
+# matter, and a draft's precision cannot change the output distribution (only alpha)
+large=$(bundle_of distilled-large2-int8 "$pair/distilled-large2" --quantize-draft int8)
 
 # 1. the bench grid (issue 4 targets, issue 8 adaptive vs static) with the best draft, 1 thread per
 #    model and 2 threads for the target
-edgespec bench "$large" --gammas 2,3,4,5,6,auto --temperatures 0,1 --threads 1 --spin off --repeats 5 --out "$out/bench-large"
-edgespec bench "$large" --gammas 3,4,5,auto --temperatures 0,1 --threads 2 --draft-threads 1 --spin off --repeats 5 --out "$out/bench-large-2threads"
+edgespec bench "$large" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench-large"
+edgespec bench "$large" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-large-2threads"
 # 2. the same grid with the pair's own draft and the small distilled draft
-edgespec bench "$pair_bundle" --gammas 1,2,3,4,6,8,auto --temperatures 0,1 --threads 1 --spin off --repeats 5 --out "$out/bench"
-edgespec bench "$small" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --spin off --repeats 5 --out "$out/bench-distilled"
+edgespec bench "$pair_bundle" --gammas 1,2,3,4,6,8,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench"
+edgespec bench "$small" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench-distilled"
 # 3. what a draft-length policy can gain at greedy (static sweep, adaptive, best threshold, oracle)
 python benchmarks/adaptive_bound.py "$large" --out "$out/adaptive-bound"
 # 4. the paper's tables 2-5 and figure 3
 python benchmarks/paper_tables.py --pair "$pair" --draft distilled="$pair/distilled" --draft distilled-large2="$pair/distilled-large2" --gammas 2,4,6 --repeats 3 --out "$out/tables"
 # 5. peers side by side (onnxruntime-genai runs the same bundle's graphs)
-python benchmarks/peers.py --pair "$pair" --bundle "$large" --draft-dir "$pair/distilled-large2" --out "$out/peers"
+python benchmarks/peers.py --pair "$pair" --bundle "$large" --draft-dir "$pair/distilled-large2" --gamma 5 --repeats 7 --threads 2 --out "$out/peers-large-2threads"
+python benchmarks/peers.py --pair "$pair" --bundle "$large" --draft-dir "$pair/distilled-large2" --gamma 5 --repeats 7 --threads 1 --out "$out/peers-large-1thread"
 # 6. the XLA reference path on the same pair: greedy identity with ONNX Runtime and both runtimes' speed
 grep -q '"kv_layout": "static"' "$pair/bundle-xla/edgespec.json" 2>/dev/null ||
   edgespec export --target "$pair/target" --draft "$pair/draft" --out "$pair/bundle-xla" --format onnx+xla --overwrite --quiet
