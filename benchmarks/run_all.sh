@@ -37,6 +37,10 @@ edgespec bench "$large" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --d
 # 2. the same grid with the pair's own draft and the small distilled draft
 edgespec bench "$pair_bundle" --gammas 1,2,3,4,6,8,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench"
 edgespec bench "$small" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench-distilled"
+# 2b. the same model exported both ways (static-KV vs optimum's concat graph), per-call costs interleaved
+[ -f "$pair/bundles/pair-draft-optimum/edgespec.json" ] ||
+  edgespec export --target "$pair/target" --draft "$pair/draft" --out "$pair/bundles/pair-draft-optimum" --graph optimum --overwrite --quiet
+python benchmarks/graphs.py --static "$pair_bundle" --concat "$pair/bundles/pair-draft-optimum" --out "$out/graphs"
 # 3. what a draft-length policy can gain at greedy (static sweep, adaptive, best threshold, oracle)
 python benchmarks/adaptive_bound.py "$large" --out "$out/adaptive-bound"
 # 4. the paper's tables 2-5 and figure 3
