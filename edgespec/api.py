@@ -26,8 +26,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import contract
-from .bundle import BundleManifest, load_bundle
 from .adaptive import AdaptiveGamma
+from .bundle import BundleManifest, load_bundle
 from .config import GenerationConfig, SamplingConfig
 from .drafters import NgramDrafter
 from .errors import BundleError, EngineBusyError, InvalidArgumentError, PromptTooLongError, TokenizerMismatchError
@@ -191,6 +191,9 @@ class TextStream:
         return self._result
 
 
+_MAX_POLICIES = 32  # adaptive policies an engine keeps (one per sampling setting seen)
+
+
 class Engine:
     """Target (and optional draft) backends of one bundle plus its tokenizer."""
 
@@ -328,6 +331,8 @@ class Engine:
         policy = None
         if gamma is None and draft is not None:
             key = (config.sampling, lenience, drafter, max_gamma)
+            if key not in self._policies and len(self._policies) >= _MAX_POLICIES:
+                self._policies.pop(next(iter(self._policies)))  # the oldest setting
             policy = self._policies.setdefault(key, AdaptiveGamma(max_gamma))
         blocks = iter_generate(self.target, ids, config, rng, draft=draft, policy=policy)
         detok = _Detokenizer(self.tokenizer) if stream else None
@@ -357,7 +362,7 @@ class Engine:
 
 
 def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,
-         threads: int = 0, draft_threads: int = 1, spinning: bool | None = None,
+         threads: int = 0, draft_threads: int | None = 1, spinning: bool | None = None,
          draft_spinning: bool | None = None, load_draft: bool = True, runtime: str = "onnx",
          platform: str | None = None) -> Engine:
     """Open a bundle: verify it, build ONNX Runtime sessions for the target (and the draft).
@@ -366,7 +371,7 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     ``openvino``, ``dml``, ``qnn``, ``xnnpack``, ... or ORT names); an unavailable one raises
     ProviderError, there is no silent fallback; the draft defaults to the target's providers.
     ``threads``: the target's intra-op threads (0 = ORT default: one per physical core);
-    ``draft_threads``: the draft's (default 1: a draft step is too small to split, and a second
+    ``draft_threads``: the draft's (None: as the target; default 1: a draft step is too small to split, and a second
     multi-threaded pool would contend for the cores with the target's spin-waiting threads; on
     the benchmark machine a 2-thread draft cut speculative tokens/s by a third);
     ``spinning``: thread spin-waiting on/off (None: ORT default, on).

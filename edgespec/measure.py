@@ -11,8 +11,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import theory
-from .config import GenerationConfig, SamplingConfig
 from .adaptive import AdaptiveGamma
+from .config import GenerationConfig, SamplingConfig
 from .loop import GenerationStats, generate
 
 

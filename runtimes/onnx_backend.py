@@ -3,7 +3,7 @@
 KV cache schemes (the bundle's ``kv_layout``, see ``edgespec.contract``), both rewound by moving
 an integer, never the data:
 
-* static (``_KVInPlace``; edgespec's own Llama graphs, export/static_kv.py): one buffer per KV
+* static (``_KVInPlace``; edgespec's own Llama and GPT-2 graphs, export/static_kv.py): one buffer per KV
   tensor, [1, H, max_length, D], allocated once and bound as BOTH past and present through
   IOBinding. The graph's attention op writes the k new tokens at positions [P, P + k) in place and
   attends over [0, P + k), P being read from the attention mask. ``rewind_to(n)`` sets the
