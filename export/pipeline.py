@@ -31,10 +31,10 @@ from .tokenizer_check import check_model_covers_tokenizer, load_vocab, shared_vo
 
 DEFAULT_ATOL = 1e-3  # fp32 ORT vs PyTorch on logits and KV (typical real-model diffs: 1e-5..1e-4)
 DEFAULT_QUANTIZED_ATOL = 1.0  # int8 weights: logits move by O(0.1); this only catches broken graphs
-T5_DEFAULT_MAX_POSITIONS = 512
-# auto: the static-KV graph where the architecture has one (llama), optimum's traced graph otherwise;
-# static: require it; optimum: always the traced graph (KV concat layout).
-GRAPH_CHOICES = ("auto", "static", "optimum")  # relative attention has no hard limit; T5 was trained on 512 tokens
+T5_DEFAULT_MAX_POSITIONS = 512  # relative attention has no hard limit; T5 was trained on 512 tokens
+# auto: the static-KV graph where the architecture has one (llama, gpt2), optimum's traced graph
+# otherwise; static: require it; optimum: always the traced graph (KV concat layout).
+GRAPH_CHOICES = ("auto", "static", "optimum")
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def _kv_layout(ckpt: Checkpoint, opts: ExportOptions) -> str:
     return contract.KV_CONCAT
 
 
-def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, opts: ExportOptions,
+def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: str, opts: ExportOptions,
                 progress: Callable[[str], None]) -> tuple[ModelManifest, int]:
     from .onnx_export import export_graphs, load_torch_model
 
@@ -133,7 +133,6 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, opts: Exp
     rows = int(model.get_output_embeddings().weight.shape[0])
     vocab = load_vocab(ckpt.path)
     check_model_covers_tokenizer(vocab, rows, role)
-    layout = _kv_layout(ckpt, opts)
     folder.mkdir(parents=True)
     if layout == contract.KV_STATIC:
         progress(f"{role}: writing the static-KV ONNX graph (in-place cache, GroupQueryAttention)")
@@ -236,6 +235,7 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
                 f"target is {t.kind} ({t.model_type}) but draft is {d.kind} ({d.model_type}); both must be "
                 "decoder-only or both encoder-decoder: pick a draft of the target's family"
             )
+    layouts = {role: _kv_layout(ckpt, options) for role, ckpt in roles.items()}  # --graph refusals, before any loading
     dest = check_output(Path(out), [c.path for c in roles.values()], options.overwrite)
 
     tok_record: dict = {}
@@ -257,7 +257,7 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         models, opset = {}, 0
         for role, ckpt in roles.items():
             quant = options.quantize_target if role == contract.ROLE_TARGET else options.quantize_draft
-            models[role], opset = _export_one(ckpt, role, tmp / role, quant, options, progress)
+            models[role], opset = _export_one(ckpt, role, tmp / role, quant, layouts[role], options, progress)
         if draft is not None:
             # Actual embedding rows (config vocab_size may be absent or stale).
             tok_record = shared_vocab(load_vocab(tmp / contract.ROLE_TARGET), load_vocab(tmp / contract.ROLE_DRAFT),
