@@ -14,7 +14,7 @@ import numpy as np
 
 from .backend import Backend
 from .config import SamplingConfig
-from .sampling import process_logits, sample_index
+from .sampling import argmax_token, process_logits, sample_index
 
 # keep_going(i, confidence) -> bool: after drafting token i (1-based), draft another one?
 KeepGoing = Callable[[int, float], bool]
@@ -51,10 +51,8 @@ class ModelDrafter:
             q.fill(0.0)
         while g < gamma:
             logits = b.extend(feed)[-1:, :vocab]                               # [1, V]
-            if greedy and np.isfinite(logits.max()):
-                # q is one-hot on the argmax (first index on ties): process_logits + sample_index
-                # give the same, without building and scanning the row (the draft's hot path)
-                ids[g] = int(np.argmax(logits[0]))
+            if greedy:  # q one-hot on the argmax, written into the zeroed row
+                ids[g] = argmax_token(logits[0], "draft model")
                 q[g, ids[g]] = 1.0
             else:
                 q[g] = process_logits(logits, sampling, "draft model")[0]
@@ -62,7 +60,7 @@ class ModelDrafter:
             # confidence (only for a length policy): the probability the draft gave its token; for
             # greedy (q one-hot) the draft's softmax probability of its argmax, still a sureness signal.
             if keep_going is not None:
-                conf[g] = q[g, ids[g]] if not sampling.greedy else 1.0 / np.exp(logits - logits.max()).sum()
+                conf[g] = q[g, ids[g]] if not greedy else 1.0 / np.exp(logits - logits.max()).sum()
             feed = ids[g:g + 1]
             g += 1
             if keep_going is not None and g < gamma and not keep_going(g, conf[g - 1]):

@@ -18,7 +18,7 @@ from .errors import InvalidArgumentError, PromptTooLongError
 from .adaptive import AdaptiveGamma
 from .drafters import ModelDrafter, NgramDrafter  # noqa: F401  (re-exported)
 from .rejection import TARGET, overlap, speculative_sample
-from .sampling import process_logits, sample_index
+from .sampling import argmax_token, process_logits, sample_index
 
 
 @dataclass
@@ -174,8 +174,8 @@ def _plain_step(target: Backend, generated: list[int], config: GenerationConfig,
     t0 = time.perf_counter()
     logits = target.extend(np.asarray(generated[-1:], dtype=np.int64))[:, :vocab]  # [1, V]
     t1 = time.perf_counter()
-    if config.sampling.greedy and np.isfinite(logits.max()):
-        token = int(np.argmax(logits[0]))  # = sampling process_logits' one-hot (first index on ties)
+    if config.sampling.greedy:
+        token = argmax_token(logits[0], "target model")
     else:
         token = sample_index(process_logits(logits, config.sampling, "target model")[0], rng.random())
     stats.target_calls += 1

@@ -53,6 +53,15 @@ def process_logits(logits: np.ndarray, cfg: SamplingConfig, who: str = "model") 
     return probs
 
 
+def argmax_token(logits: np.ndarray, who: str = "model") -> int:
+    """The greedy token of one row of logits [V]: what process_logits' one-hot (first index on
+    ties) followed by sample_index returns, without building or scanning a distribution. Same
+    NonFiniteLogitsError as process_logits."""
+    if not np.isfinite(logits.max()):                             # NaN, +inf, or all -inf
+        _raise_non_finite(logits, who)
+    return int(np.argmax(logits))
+
+
 def sample_index(probs: np.ndarray, u: float) -> int:
     """Inverse-CDF draw from one distribution. probs: [V] (need not be normalised); u in [0, 1).
 

@@ -3,31 +3,15 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
 from edgespec import contract
 from edgespec.bundle import load_bundle, onnx_external_data_locations
 from edgespec.errors import BundleError, UnsafeFileError
+from tiny_models import external_data_model
 
 pytestmark = pytest.mark.slow
-
-
-def _external_model(path: Path, location: str) -> None:
-    """A valid ONNX model whose only initializer lives in external data at ``location``."""
-    import onnx
-    from onnx import TensorProto, helper
-
-    init = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[4])
-    init.data_location = TensorProto.EXTERNAL
-    for k, v in (("location", location), ("offset", "0"), ("length", "16")):
-        entry = init.external_data.add()
-        entry.key, entry.value = k, v
-    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], initializer=[init])
-    path.write_bytes(helper.make_model(graph).SerializeToString())
-    assert onnx.load(str(path), load_external_data=False).graph.initializer[0].external_data[0].value == location
 
 
 def test_loads_good_bundles(tiny_bundle):
@@ -101,7 +85,7 @@ def test_lfs_pointer(bundle_copy):
 def test_external_data_outside_folder(bundle_copy, location):
     b = bundle_copy()
     (b / "secret.bin").write_bytes(b"\0" * 16)
-    _external_model(b / "target" / contract.DECODER_FILE, location)
+    external_data_model(b / "target" / contract.DECODER_FILE, location)
     assert onnx_external_data_locations(b / "target" / contract.DECODER_FILE) == [location]
     with pytest.raises(UnsafeFileError, match="outside"):
         load_bundle(b)
@@ -112,7 +96,7 @@ def test_external_data_symlink_and_hardlink(bundle_copy, tmp_path):
     secret = tmp_path / "secret.bin"
     secret.write_bytes(b"\0" * 16)
     model = b / "target" / contract.DECODER_FILE
-    _external_model(model, "weights.bin")
+    external_data_model(model, "weights.bin")
     os.symlink(secret, b / "target" / "weights.bin")
     with pytest.raises(UnsafeFileError, match="symbolic link"):
         load_bundle(b)
@@ -127,6 +111,6 @@ def test_external_data_symlink_and_hardlink(bundle_copy, tmp_path):
 
 def test_external_data_missing(bundle_copy):
     b = bundle_copy()
-    _external_model(b / "target" / contract.DECODER_FILE, "weights.bin")
+    external_data_model(b / "target" / contract.DECODER_FILE, "weights.bin")
     with pytest.raises(BundleError, match="missing"):
         load_bundle(b)

@@ -23,6 +23,7 @@ from edgespec.api import load
 from edgespec.cli import main
 from edgespec.errors import (BundleError, EdgeSpecError, InvalidArgumentError, ModelExecutionError, NonFiniteLogitsError,
                              PromptTooLongError, TokenizerMismatchError, UnsafeFileError)
+from tiny_models import external_data_model
 
 pytestmark = pytest.mark.slow
 
@@ -312,17 +313,7 @@ def test_handmade_onnx_with_missing_inputs(bundle_copy, capsys, kwargs, needle):
 
 
 def _external(bundle: Path, location: str) -> None:
-    from onnx import TensorProto, helper
-
-    path = bundle / "target" / contract.DECODER_FILE
-    init = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[4])
-    init.data_location = TensorProto.EXTERNAL
-    for k, v in (("location", location), ("offset", "0"), ("length", "16")):
-        e = init.external_data.add()
-        e.key, e.value = k, v
-    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], initializer=[init])
-    path.write_bytes(helper.make_model(graph).SerializeToString())
+    external_data_model(bundle / "target" / contract.DECODER_FILE, location)
 
 
 @pytest.mark.parametrize("case", ["missing", "dotdot", "absolute", "symlink", "hardlink", "dir-symlink"])

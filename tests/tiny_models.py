@@ -100,6 +100,22 @@ def make_t5(folder: str | Path, *, layers: int = 2, d_model: int = 32, heads: in
 BUILDERS = {"gpt2": make_gpt2, "llama": make_llama, "t5": make_t5}
 
 
+def external_data_model(path: str | Path, location: str) -> None:
+    """A valid ONNX model whose only initializer lives in external data at ``location``."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    init = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[4])
+    init.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", location), ("offset", "0"), ("length", "16")):
+        entry = init.external_data.add()
+        entry.key, entry.value = k, v
+    graph = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], initializer=[init])
+    Path(path).write_bytes(helper.make_model(graph).SerializeToString())
+    assert onnx.load(str(path), load_external_data=False).graph.initializer[0].external_data[0].value == location
+
+
 def make_pair(root: str | Path, arch: str) -> tuple[Path, Path]:
     """A target (2 layers) and a draft (1 layer) of one architecture sharing the tokenizer.
 
