@@ -5,7 +5,9 @@ Speculative decoding accepts a drafted token with probability ``beta = sum_x min
 between the target's p and the draft's q. The ``tv`` loss minimises that directly; ``kl`` is the
 forward KL(p || q), smoother from a random start; ``mix`` (default) adds both. The targets are the
 target model's full distributions on corpus windows and, optionally (``--generated``), on
-continuations the target samples itself.
+continuations the target writes itself (greedy and sampled): the draft is judged on the target's own
+output at decode time, so that is where matching it pays (on-policy distillation, as in DistillSpec,
+Zhou et al. 2024).
 
 ``measure_alpha`` is the reusable metric: the mean of beta over held-out positions of the
 processed distributions (temperature 0: one-hot argmax; otherwise softmax(logits / T)).
@@ -47,11 +49,12 @@ def beta_per_position(p_logits, q_logits, temperature: float):
     return torch.minimum(_processed_probs(p_logits, temperature), _processed_probs(q_logits, temperature)).sum(-1)
 
 
-def measure_alpha(target_model, draft_model, token_ids, temperature: float, *, batch_size: int = 8) -> float:
+def measure_alpha(target_model, draft_model, token_ids, temperature: float, *, batch_size: int = 8,
+                  start: int = 0) -> float:
     """Mean acceptance rate alpha of ``draft_model`` for ``target_model`` on ``token_ids``.
 
     ``token_ids``: a LongTensor ``[n, length]`` (or ``[length]``), or a list of token-id lists; every
-    position of every row counts. Temperature 0 compares argmaxes (beta is 1 or 0); a temperature
+    position ``>= start`` of every row counts (``start`` skips a prompt whose continuation is judged). Temperature 0 compares argmaxes (beta is 1 or 0); a temperature
     ``T > 0`` compares ``softmax(logits / T)``. Both models run in eval mode without gradients.
     """
     import torch
@@ -65,8 +68,11 @@ def measure_alpha(target_model, draft_model, token_ids, temperature: float, *, b
     else:
         groups = [torch.as_tensor(list(r), dtype=torch.long)[None] for r in token_ids]
     groups = [g for g in groups if g.numel()]
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise InvalidArgumentError(f"start must be an integer >= 0; got {start!r}")
+    groups = [g for g in groups if g.shape[1] > start]
     if not groups:
-        raise InvalidArgumentError("measure_alpha needs at least one token")
+        raise InvalidArgumentError("measure_alpha needs at least one token (at or after start)")
     tv, dv = _vocab(target_model), _vocab(draft_model)
     if tv != dv:
         raise InvalidArgumentError(f"target vocabulary {tv} != draft vocabulary {dv}; the models must share a tokenizer")
@@ -79,7 +85,8 @@ def measure_alpha(target_model, draft_model, token_ids, temperature: float, *, b
             for g in groups:
                 for i in range(0, len(g), batch_size):
                     x = g[i:i + batch_size]
-                    b = beta_per_position(target_model(input_ids=x).logits, draft_model(input_ids=x).logits, temperature)
+                    b = beta_per_position(target_model(input_ids=x).logits, draft_model(input_ids=x).logits,
+                                          temperature)[:, start:]
                     total += float(b.double().sum())
                     count += b.numel()
     finally:
@@ -196,23 +203,44 @@ def _losses(t_logits, d_logits, mode: str):
     return kl + tv, kl, tv
 
 
-def _generate_windows(target, prefixes, context: int, seed: int, step: int):
-    """Continue each prefix with tokens the target samples at temperature 1, up to ``context + 1`` tokens."""
+def continuations(target, prefixes, length: int, temperatures: Sequence[float], seed: int, *, batch_size: int = 32,
+                  progress: bool = False, desc: str = "target continuations"):
+    """The target's own continuations of ``prefixes`` ``[n, P]`` up to ``length`` tokens: row i is
+    decoded at ``temperatures[i % len(temperatures)]`` (0: greedy; T > 0: sampled at T, no top-k/top-p).
+    Deterministic for a seed. Returns a LongTensor ``[n, length]``."""
     import torch
+    from tqdm.auto import tqdm
 
-    torch.manual_seed(seed * 1_000_003 + 17 + step)
-    new = context + 1 - prefixes.shape[1]
-    out = target.generate(input_ids=prefixes, attention_mask=torch.ones_like(prefixes), do_sample=True,
-                          temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new, min_new_tokens=new,
-                          pad_token_id=0, eos_token_id=None)
-    return out[:, :context + 1]
+    n, plen = prefixes.shape
+    new = length - plen
+    out = torch.empty((n, length), dtype=torch.long)
+    out[:, :plen] = prefixes
+    if new <= 0:
+        return prefixes[:, :length].clone()
+    jobs = [(t, [i for i in range(n) if i % len(temperatures) == k]) for k, t in enumerate(temperatures)]
+    with tqdm(total=n, desc=desc, unit="row", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar, \
+            torch.no_grad():
+        for k, (temp, rows) in enumerate(jobs):
+            for j in range(0, len(rows), batch_size):
+                idx = rows[j:j + batch_size]
+                x = prefixes[idx]
+                torch.manual_seed(seed * 1_000_003 + 7919 * k + j)
+                sample = dict(do_sample=True, temperature=float(temp), top_k=0, top_p=1.0) if temp > 0 \
+                    else dict(do_sample=False)
+                y = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                                    min_new_tokens=new, pad_token_id=0, eos_token_id=None, **sample)
+                out[idx] = y[:, :length]
+                bar.update(len(idx))
+    return out
 
 
 def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps: int, batch_size: int, lr: float,
-                mode: str | None, seed: int, special_ids: dict, generated: float = 0.0, init=None,
+                mode: str | None, seed: int, special_ids: dict, generated: float = 0.0, pool=None, init=None,
                 progress: bool = True, desc: str = "distill"):
     """Train a Llama draft. ``mode=None`` is the corpus-only baseline (cross-entropy on the same
-    windows); otherwise the draft matches the target's distributions with the given loss."""
+    windows); otherwise the draft matches the target's distributions with the given loss. With
+    ``generated > 0`` that fraction of each batch is rows of ``pool`` ``[N, context + 1]`` (the
+    target's continuations, see :func:`continuations`)."""
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
@@ -230,6 +258,8 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
                             lr=lr, betas=(0.9, 0.95), foreach=False)
     warmup = max(1, steps // 20)
     n_gen = int(round(batch_size * generated)) if mode is not None else 0
+    if n_gen and (pool is None or pool.shape[1] != context + 1):
+        raise InvalidArgumentError(f"generated > 0 needs a pool of target continuations [N, {context + 1}]")
     draft.train()
     target.eval()
     history = []
@@ -239,9 +269,8 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
                 g["lr"] = _lr_at(step, steps, lr, warmup)
             x = _batch(train_ids, step, seed, 3, batch_size, context)
             if n_gen:
-                with torch.no_grad():
-                    x = torch.cat([x[:batch_size - n_gen],
-                                   _generate_windows(target, x[batch_size - n_gen:, : context // 2], context, seed, step)])
+                g = torch.Generator().manual_seed((seed * 1_000_003 + 31 * step + 5) % (2**63))
+                x = torch.cat([x[:batch_size - n_gen], pool[torch.randint(0, len(pool), (n_gen,), generator=g)]])
             inp = x[:, :-1]
             d_logits = draft(input_ids=inp).logits
             if mode is None:
@@ -264,22 +293,26 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             hidden: int | None = None, heads: int | None = None, intermediate: int | None = None,
             corpus: Sequence[os.PathLike | str] | None = None, steps: int = 300, batch_size: int = 16,
             context: int | None = None, lr: float = 3e-3, mode: str = "mix", generated: float = 0.0,
-            init: os.PathLike | str | None = None, baseline: bool = False, eval_windows: int = 64, seed: int = 0,
-            overwrite: bool = False, progress: bool = True) -> dict:
+            pool_size: int = 512, init: os.PathLike | str | None = None, baseline: bool = False,
+            eval_windows: int = 64, seed: int = 0, overwrite: bool = False, progress: bool = True) -> dict:
     """Distil a draft from ``target`` into ``out`` (an HF checkpoint with the target's tokenizer) and
-    return the report (also written to ``out/distill.json``). ``baseline=True`` also trains a draft of
-    the same size on the corpus alone, with the same steps and windows, and reports its alpha."""
+    return the report (also written to ``out/distill.json``). ``generated`` is the fraction of each
+    batch taken from a pool of ``pool_size`` continuations the target writes of corpus prefixes, half
+    greedy, half sampled at T=1. ``baseline=True`` also trains a draft of the same size on the corpus
+    alone, with the same steps and windows, and reports its alpha. Alpha is reported on held-out
+    corpus windows and on the target's own continuations of held-out prefixes (what decoding sees)."""
     import torch
     from transformers import LlamaForCausalLM
 
     from .corpus import encode_docs, load_documents
-    from .pair import _check_int, _write_json_atomic, heldout_windows, new_llama, validation_loss
+    from .pair import _batch, _check_int, _write_json_atomic, heldout_windows, new_llama, validation_loss
 
     t0 = time.perf_counter()
     target_dir, out_dir = Path(target).expanduser(), Path(out).expanduser()
     if mode not in MODES:
         raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    for name, v in (("steps", steps), ("batch_size", batch_size), ("eval_windows", eval_windows)):
+    for name, v in (("steps", steps), ("batch_size", batch_size), ("eval_windows", eval_windows),
+                    ("pool_size", pool_size)):
         _check_int(name, v)
     _check_int("seed", seed, 0)
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
@@ -329,12 +362,21 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
         raise TrainingError(f"the held-out part of the corpus has {len(held_ids)} tokens, less than one context of {ctx}; "
                             "pass more (or larger) files with --corpus or lower --context")
     windows = heldout_windows(held_ids, ctx, eval_windows)
+    # The target's own text: prefixes of a quarter context, continued to the full context (section 3.3:
+    # alpha is an expectation over the prefixes decoding visits, which are the target's output).
+    plen = max(1, ctx // 4)
+    n_eval = min(32, len(windows))
+    on_target = {t: continuations(tmodel, windows[k:n_eval:2, :plen], ctx, (t,), seed + 1, progress=progress,
+                                  desc=f"held-out continuations T={t:g}") for k, t in enumerate((0.0, 1.0))}
 
     def alphas(m):
         return {f"T{t:g}": round(measure_alpha(tmodel, m, windows, t), 4) for t in (0.0, 1.0)}
 
+    def alphas_on_target(m):
+        return {f"T{t:g}": round(measure_alpha(tmodel, m, on_target[t], t, start=plen - 1), 4) for t in (0.0, 1.0)}
+
     report: dict = {"target": str(target_dir), "mode": mode, "steps": steps, "batch_size": batch_size, "context": ctx,
-                    "lr": lr, "generated_fraction": generated, "seed": seed,
+                    "lr": lr, "generated_fraction": generated, "pool_size": pool_size if generated else 0, "seed": seed,
                     "tokens_per_run": steps * batch_size * ctx, "corpus": c.description,
                     "draft_config": {"hidden": draft_size.hidden, "layers": draft_size.layers, "heads": draft_size.heads,
                                      "intermediate": draft_size.intermediate}}
@@ -347,17 +389,25 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     else:
         before = init_model
     report["alpha_before"] = alphas(before)
+    report["alpha_on_target_before"] = alphas_on_target(before)
+    pool = None
+    if generated > 0:
+        prefixes = _batch(train_ids, 0, seed, 11, pool_size, ctx)[:, :plen]
+        pool = continuations(tmodel, prefixes, ctx + 1, (0.0, 1.0), seed, progress=progress, desc="target continuations")
     import copy
 
     start = copy.deepcopy(before)
-    draft = train_draft(tmodel, train_ids, draft_size, mode=mode, generated=generated, init=start, desc="distill", **common)
+    draft = train_draft(tmodel, train_ids, draft_size, mode=mode, generated=generated, pool=pool, init=start,
+                        desc="distill", **common)
     report["draft_params"] = sum(p.numel() for p in draft.parameters())
     report["alpha_after"] = alphas(draft)
+    report["alpha_on_target_after"] = alphas_on_target(draft)
     report["draft_val_loss"] = round(validation_loss(draft, windows), 4)
     if baseline:
         base = train_draft(tmodel, train_ids, draft_size, mode=None, init=copy.deepcopy(before),
                            desc="baseline (corpus only)", **common)
-        report["baseline"] = {"alpha": alphas(base), "val_loss": round(validation_loss(base, windows), 4)}
+        report["baseline"] = {"alpha": alphas(base), "alpha_on_target": alphas_on_target(base),
+                              "val_loss": round(validation_loss(base, windows), 4)}
         report["alpha_gain_over_baseline"] = {k: round(report["alpha_after"][k] - report["baseline"]["alpha"][k], 4)
                                               for k in report["alpha_after"]}
     report["seconds"] = round(time.perf_counter() - t0, 2)
@@ -406,7 +456,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="mix",
                         help="loss: tv = total variation (1 - beta), kl = forward KL(p||q), mix = both (default)")
     parser.add_argument("--generated", type=float, default=0.0,
-                        help="fraction of each batch continued by the target's own samples (default 0)")
+                        help="fraction of each batch taken from the target's own continuations of corpus prefixes, "
+                             "half greedy, half sampled (on-policy distillation; default 0)")
+    parser.add_argument("--pool-size", type=int, default=512,
+                        help="how many target continuations --generated draws from (default 512)")
     parser.add_argument("--init", type=Path, default=None, help="start from this draft checkpoint instead of random weights")
     parser.add_argument("--baseline", action="store_true",
                         help="also train a same-size draft on the corpus alone (same budget) and compare")
@@ -419,15 +472,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     r = distill(args.target, args.out, size=args.size, layers=args.layers, hidden=args.hidden, heads=args.heads,
                 intermediate=args.intermediate, corpus=args.corpus, steps=args.steps, batch_size=args.batch_size,
-                context=args.context, lr=args.lr, mode=args.mode, generated=args.generated, init=args.init,
+                context=args.context, lr=args.lr, mode=args.mode, generated=args.generated,
+                pool_size=args.pool_size, init=args.init,
                 baseline=args.baseline, eval_windows=args.eval_windows, seed=args.seed, overwrite=args.overwrite,
                 progress=not args.no_progress)
     print(f"draft: {args.out} ({r['draft_params'] / 1e6:.2f}M params, {r['steps']} steps, mode {r['mode']})")
-    for label, a in (("before", r["alpha_before"]), ("after", r["alpha_after"])):
-        print(f"  alpha {label:>8}: T=0 {a['T0']:.3f}  T=1 {a['T1']:.3f}")
+    print("  alpha on held-out corpus windows / on the target's own continuations of held-out prefixes:")
+    for label in ("before", "after"):
+        a, o = r[f"alpha_{label}"], r[f"alpha_on_target_{label}"]
+        print(f"  {label:>8}: T=0 {a['T0']:.3f} / {o['T0']:.3f}  T=1 {a['T1']:.3f} / {o['T1']:.3f}")
     if "baseline" in r:
-        b = r["baseline"]["alpha"]
-        print(f"  alpha baseline (corpus only, same budget): T=0 {b['T0']:.3f}  T=1 {b['T1']:.3f}")
+        b, o = r["baseline"]["alpha"], r["baseline"]["alpha_on_target"]
+        print(f"  baseline (corpus only, same budget): T=0 {b['T0']:.3f} / {o['T0']:.3f}  T=1 {b['T1']:.3f} / {o['T1']:.3f}")
         g = r["alpha_gain_over_baseline"]
         print(f"  distilled - baseline: T=0 {g['T0']:+.3f}  T=1 {g['T1']:+.3f}")
     return 0

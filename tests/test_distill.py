@@ -36,6 +36,18 @@ class _Fixed(torch.nn.Module):
         return SimpleNamespace(logits=self.v.expand(*input_ids.shape, len(self.v)).clone())
 
 
+class _Echo(_Fixed):
+    """Logits peaked on the input token itself."""
+
+    def __init__(self, vocab):
+        super().__init__(torch.zeros(vocab))
+
+    def forward(self, input_ids):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=5.0 * torch.nn.functional.one_hot(input_ids, len(self.v)).float())
+
+
 def test_measure_alpha_formula():
     p_logits, q_logits = torch.tensor([2.0, 1.0, 0.0, -1.0]), torch.tensor([0.0, 1.5, 0.5, 0.0])
     t, d = _Fixed(p_logits), _Fixed(q_logits)
@@ -50,6 +62,17 @@ def test_measure_alpha_formula():
     assert measure_alpha(t, d, ids[0], 1.0) == pytest.approx(expected, abs=1e-6)
     with pytest.raises(InvalidArgumentError):
         measure_alpha(t, d, ids, -1.0)
+    # start: only positions >= start count. The echo model's argmax is the input token, the fixed
+    # draft's is 1, so at T=0 alpha is the share of ones among the counted inputs.
+    rows = torch.tensor([[0, 0, 1, 0, 2], [3, 0, 0, 1, 1]])
+    assert measure_alpha(_Echo(4), d, rows, 0.0) == pytest.approx(3 / 10)
+    assert measure_alpha(_Echo(4), d, rows, 0.0, start=2) == pytest.approx(3 / 6)
+    assert measure_alpha(_Echo(4), d, rows, 0.0, start=3) == pytest.approx(2 / 4)
+    assert measure_alpha(_Echo(4), d, rows[:1], 0.0, start=3) == 0.0
+    with pytest.raises(InvalidArgumentError, match="start"):
+        measure_alpha(t, d, ids, 1.0, start=-1)
+    with pytest.raises(InvalidArgumentError, match="at least one token"):
+        measure_alpha(t, d, ids, 1.0, start=5)
     with pytest.raises(InvalidArgumentError, match="vocabulary"):
         measure_alpha(t, _Fixed(torch.zeros(5)), ids, 1.0)
 
@@ -90,12 +113,33 @@ def test_distill_improves_alpha_and_saves_checkpoint(target, corpus, tmp_path):
 def test_distill_cli_with_baseline(target, corpus, tmp_path, capsys):
     rc = main(["distill", "--target", str(target), "--out", str(tmp_path / "d"), "--hidden", "16", "--layers", "1",
                "--heads", "1", "--intermediate", "32", "--steps", "6", "--batch-size", "4", "--eval-windows", "2",
-               "--mode", "tv", "--baseline", "--no-progress", "--corpus", *map(str, corpus)])
+               "--mode", "tv", "--baseline", "--no-progress", "--generated", "0.5", "--pool-size", "3",
+               "--corpus", *map(str, corpus)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "baseline" in out and "alpha" in out
+    assert "baseline" in out and "alpha" in out and "own continuations" in out
     r = json.loads((tmp_path / "d" / "distill.json").read_text())
     assert "baseline" in r and set(r["alpha_gain_over_baseline"]) == {"T0", "T1"}
+    assert r["pool_size"] == 3 and r["generated_fraction"] == 0.5
+    for key in ("alpha_on_target_before", "alpha_on_target_after"):
+        assert set(r[key]) == {"T0", "T1"} and all(0 <= v <= 1 for v in r[key].values())
+
+
+def test_continuations_are_the_targets_own_text(target):
+    from edgespec.distill import continuations, load_target
+
+    model, _ = load_target(target)
+    g = torch.Generator().manual_seed(0)
+    prefixes = torch.randint(3, model.config.vocab_size, (5, 4), generator=g)
+    out = continuations(model, prefixes, 12, (0.0, 1.0), seed=3, batch_size=2)
+    assert out.shape == (5, 12) and torch.equal(out[:, :4], prefixes)
+    with torch.no_grad():
+        logits = model(input_ids=out).logits                               # [5, 12, V]
+    greedy = logits[:, 3:-1].argmax(-1)                                     # what each next token must be
+    assert torch.equal(out[0::2, 4:], greedy[0::2])                         # rows 0, 2, 4: greedy
+    assert not torch.equal(out[1::2, 4:], greedy[1::2])                     # rows 1, 3: sampled at T=1
+    assert torch.equal(continuations(model, prefixes, 12, (0.0, 1.0), seed=3), out)  # batch size does not matter
+    assert not torch.equal(continuations(model, prefixes, 12, (1.0,), seed=4)[:, 4:], out[:, 4:])
 
 
 def test_bad_targets(target, corpus, tmp_path):
