@@ -14,6 +14,9 @@ pair=$(edgespec train-pair --preset "$preset" --print-path)
 [ -f "$pair/distilled/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled" --init "$pair/draft" --steps 150 --mode mix --no-progress
 [ -f "$pair/distilled-large/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large" --size large --steps 600 --no-progress
 [ -f "$pair/distilled-large2/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large2" --size large --init "$pair/distilled-large" --steps 600 --lr 2e-3 --seed 1 --no-progress
+# ... then on-policy: 3/4 of each batch from 512 continuations the target wrote itself (half greedy)
+[ -f "$pair/distilled-large3/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large3" --size large --init "$pair/distilled-large2" --steps 400 --lr 2e-3 --generated 0.75 --pool-size 512 --no-progress
+[ -f "$pair/distilled-large4/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large4" --size large --init "$pair/distilled-large3" --steps 600 --lr 1.5e-3 --generated 0.9 --pool-size 1024 --seed 2 --no-progress
 
 # Bundles (static-KV graphs, the exporter's default for Llama); re-exported if an older export
 # with optimum's concat graphs is in the way.
@@ -29,11 +32,22 @@ small=$(bundle_of distilled "$pair/distilled")
 # the best draft, int8: the draft's weights are read once per drafted token, so 4x fewer bytes
 # matter, and a draft's precision cannot change the output distribution (only alpha)
 large=$(bundle_of distilled-large2-int8 "$pair/distilled-large2" --quantize-draft int8)
+large3=$(bundle_of large3-int8 "$pair/distilled-large3" --quantize-draft int8)
+large4=$(bundle_of large4-int8 "$pair/distilled-large4" --quantize-draft int8)
+# the target in int8 too: a different (quantized) target, 3-4x faster plain decoding on this CPU
+large4_q=$(bundle_of large4-int8all "$pair/distilled-large4" --quantize int8)
 
 # 1. the bench grid (issue 4 targets, issue 8 adaptive vs static) with the best draft, 1 thread per
 #    model and 2 threads for the target
 edgespec bench "$large" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench-large"
 edgespec bench "$large" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-large-2threads"
+#    the on-policy distilled drafts, fp32 target, then the int8 target
+edgespec bench "$large3" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large3"
+edgespec bench "$large3" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-large3-2threads"
+edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4"
+edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-large4-2threads"
+edgespec bench "$large4_q" --gammas 3,4,5,6,8,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-target"
+edgespec bench "$large4_q" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-int8-target-2threads"
 # 2. the same grid with the pair's own draft and the small distilled draft
 edgespec bench "$pair_bundle" --gammas 1,2,3,4,6,8,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench"
 edgespec bench "$small" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench-distilled"

@@ -5,7 +5,7 @@ add up to ~60% (section 3.5). We predict, online, the probability that the i-th 
 from the draft's own confidence in it (the probability it gave the drafted token), and stop
 drafting when one more draft token is expected to lower the round's rate
 
-    rate(i) = E[tokens | verify i drafts] / (i * t_draft + t_target(i + 1)),
+    rate(i) = E[tokens | verify i drafts] / (t_draft(i) + t_target(i + 1)),
     E[tokens | i] = 1 + sum_{j <= i} prod_{m <= j} a_m        (a_m: predicted keep probability).
 
 Adding draft i + 1 raises the rate iff its marginal gain over marginal cost beats the current
@@ -19,20 +19,25 @@ import numpy as np
 
 _BINS = 10
 _FORGET = 0.995   # per-round decay of the acceptance counts: follows drifting text
-_EWMA = 0.2
-_FORGET_TIME = 0.98  # per-round decay of the target-time fit
+_FORGET_TIME = 0.98  # per-round decay of the time fits (draft and target)
 
 
 class _LinearTime:
-    """t_target(k) = a + b k, a least-squares fit over past rounds with exponential forgetting.
+    """t(k) = a + b k, a least-squares fit over past rounds with exponential forgetting.
 
-    A verify call of k tokens reads the weights once (the a part, memory bound) and does k times
-    the arithmetic (the b part, compute bound); on a CPU b is far from 0 (one extra token in a
+    Target: a verify call of k tokens reads the weights once (the a part, memory bound) and does k
+    times the arithmetic (the b part, compute bound); on a CPU b is far from 0 (one extra token in a
     call cost about 10% of a 1-token step on the benchmark target), so unmeasured widths must be
-    extrapolated from the measured ones, not taken as equal to the nearest one."""
+    extrapolated from the measured ones, not taken as equal to the nearest one.
+    Draft: drafting k tokens costs k calls (b) plus a per-round part (a: the first call may feed two
+    unseen tokens, buffers are set up). Dividing the round's time by k instead charges that fixed
+    part to every draft and biases the policy towards short drafts, which then look even dearer.
+    ``proportional``: until two widths are seen, t(k) = k * mean time per unit (a draft call costs
+    something); otherwise the mean of what was seen (one verify width says nothing about others)."""
 
-    def __init__(self):
+    def __init__(self, proportional: bool = False):
         self._s = np.zeros(5)  # [5] sums of 1, k, k^2, t, k t
+        self._proportional = proportional
 
     def add(self, k: int, t: float) -> None:
         self._s *= _FORGET_TIME
@@ -44,7 +49,7 @@ class _LinearTime:
             return 1.0
         var = n * skk - sk * sk
         if var <= 1e-9 * n * n:  # one width seen so far: no slope yet
-            return st / n
+            return k * st / sk if self._proportional else st / n
         b = max(0.0, (n * skt - sk * st) / var)
         return max(1e-9, (st - b * sk) / n + b * k)
 
@@ -54,8 +59,9 @@ class AdaptiveGamma:
         self.max_gamma = max_gamma
         self._kept = np.full(_BINS, 1.0)     # [bins] Beta(1, 1) prior on each bin's keep rate
         self._seen = np.full(_BINS, 2.0)     # [bins]
-        self._t_draft: float | None = None   # seconds per draft call
-        self._target_time = _LinearTime()     # verify width k -> seconds per target call
+        self._rounds = 0
+        self._draft_time = _LinearTime(proportional=True)  # drafts k -> seconds drafting a round
+        self._target_time = _LinearTime()                   # verify width k -> seconds per target call
         self._prob = 1.0
         self._expected = 1.0
 
@@ -73,12 +79,13 @@ class AdaptiveGamma:
         a = self._keep_prob(confidence)
         self._prob *= a
         self._expected += self._prob
-        if self._t_draft is None:          # nothing measured yet: explore the full length
+        if not self._rounds:               # nothing measured yet: explore the full length
             return True
         mean_keep = float(self._kept.sum() / self._seen.sum())
         gain = self._prob * mean_keep       # expected extra tokens from draft i + 1
-        cost = self._t_draft + max(0.0, self._target_time(i + 2) - self._target_time(i + 1))
-        spent = i * self._t_draft + self._target_time(i + 1)
+        d, t = self._draft_time, self._target_time
+        cost = max(0.0, d(i + 1) - d(i)) + max(0.0, t(i + 2) - t(i + 1))
+        spent = d(i) + t(i + 1)
         return gain * spent > self._expected * cost
 
     def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float) -> None:
@@ -91,6 +98,6 @@ class AdaptiveGamma:
             self._seen[b] += 1.0
             self._kept[b] += float(j < n_accepted)
         if g:
-            per_call = draft_s / g
-            self._t_draft = per_call if self._t_draft is None else (1 - _EWMA) * self._t_draft + _EWMA * per_call
+            self._draft_time.add(g, draft_s)
+            self._rounds += 1
         self._target_time.add(g + 1, target_s)

@@ -38,7 +38,8 @@ def _f(x: float, spec: str = ".3f") -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'setting':<34} {'alpha':>6} {'c':>6} {'tok/round':>9} {'(theory)':>8} "
-            f"{'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'[IQR]':>13} {'Thm3.8':>7} {'reads/tok':>9}")
+            f"{'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'[IQR]':>13} {'Thm3.8':>7} {'V':>5} "
+            f"{'Thm3.8/V':>8} {'reads/tok':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         iqr = r.get("speedup_iqr") or [float("nan")] * 2
@@ -47,8 +48,12 @@ def format_table(rows: list[dict]) -> str:
             f"{_f(r['expected_tokens_per_round'], '8.2f')} {_f(r['plain_tokens_per_s'], '11.1f')} "
             f"{_f(r['spec_tokens_per_s'], '10.1f')} {_f(r['speedup'], '7.2f')}x "
             f"[{_f(iqr[0], '.2f')}-{_f(iqr[1], '.2f')}] {_f(r['predicted_speedup'], '6.2f')}x "
+            f"{_f(r.get('verify_cost_steps', float('nan')), '5.2f')} "
+            f"{_f(r.get('predicted_speedup_verify_cost', float('nan')), '7.2f')}x "
             f"{_f(r.get('target_read_reduction', float('nan')), '8.2f')}x")
-    return "\n".join(lines)
+    notes = ["V: a verify call's time in plain target steps (Theorem 3.8 assumes 1); Thm3.8/V: the prediction "
+             "with that measured cost"]
+    return "\n".join(lines + notes)
 
 
 def write_json(path: Path, payload: dict) -> None:

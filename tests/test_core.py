@@ -321,6 +321,33 @@ def test_adaptive_policy_prefers_long_drafts_when_cheap_and_accurate():
     assert steps == 8 and not bad.keep_going(1, 0.3)
 
 
+def test_adaptive_fixed_drafting_cost_is_not_charged_per_draft():
+    """A round's drafting time has a fixed part (setup, a first call over two unseen tokens): the
+    marginal cost of one more draft is the fit's slope, so the policy drafts longer than when the
+    same mean per-draft time is all marginal."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    def steps_after(draft_time):
+        rng = np.random.default_rng(0)
+        p = AdaptiveGamma(8)
+        for r in range(200):
+            g = 1 + r % 6
+            n = 0
+            while n < g and rng.random() < 0.8:
+                n += 1
+            p.update(np.full(g, 0.85), n, draft_s=draft_time(g), target_s=0.010 + 0.0005 * (g + 1))
+        p.start_round()
+        steps = 1
+        while steps < 8 and p.keep_going(steps, 0.85):
+            steps += 1
+        return steps, p
+
+    fixed, p = steps_after(lambda g: 0.004 + 0.0008 * g)     # mean per draft over g = 1..6: 0.0024
+    marginal, _ = steps_after(lambda g: 0.0024 * g)
+    assert p._draft_time(6) - p._draft_time(5) == pytest.approx(0.0008, rel=0.01)
+    assert fixed >= marginal + 2
+
+
 def test_adaptive_target_time_is_extrapolated_from_measured_widths():
     """Verify cost grows with width on real hardware: widths never measured are predicted from a
     linear fit of the measured ones, not copied from the nearest one."""

@@ -42,8 +42,25 @@ def test_bench_writes_table_json_and_plots(tiny_bundle, tmp_path, capsys):
     for r in data["results"]:
         assert len(r["speedup_all"]) == 2 and r["plain_tokens_per_s"] > 0
         assert r["target_read_reduction"] > 0 and sum(r["accepted_hist"]) > 0
+        assert r["verify_cost_steps"] > 0
+        assert r["predicted_speedup_verify_cost"] == pytest.approx(r["predicted_speedup"] / r["verify_cost_steps"])
     assert (tmp_path / "out" / "speedup.png").stat().st_size > 1000
     assert (tmp_path / "out" / "accepted_hist.png").stat().st_size > 1000
+
+
+def test_verify_cost_is_verify_call_over_plain_step():
+    from edgespec.config import SamplingConfig
+    from edgespec.loop import GenerationStats
+    from edgespec.measure import Setting, SettingResult
+    from edgespec.theory import speedup
+
+    st = GenerationStats(target_calls=11, target_s=0.15, draft_calls=40, draft_s=0.012, beta_sum=32.0, beta_count=40)
+    res = SettingResult(Setting(gamma=4, sampling=SamplingConfig(0.0)), stats=[st], plain_step=[0.2, 20])
+    r = res.summary()
+    assert r["verify_cost_steps"] == pytest.approx(0.015 / 0.010)   # 15 ms per verify call, 10 ms per plain step
+    assert r["c"] == pytest.approx(0.0003 / 0.015)
+    assert r["predicted_speedup"] == pytest.approx(speedup(0.8, 4, 0.02))
+    assert r["predicted_speedup_verify_cost"] == pytest.approx(speedup(0.8, 4, 0.02) / 1.5)
 
 
 def test_bench_bad_input(tiny_bundle, tmp_path, capsys):
