@@ -17,6 +17,7 @@ pair=$(edgespec train-pair --preset "$preset" --print-path)
 # ... then on-policy: 3/4 of each batch from 512 continuations the target wrote itself (half greedy)
 [ -f "$pair/distilled-large3/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large3" --size large --init "$pair/distilled-large2" --steps 400 --lr 2e-3 --generated 0.75 --pool-size 512 --no-progress
 [ -f "$pair/distilled-large4/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large4" --size large --init "$pair/distilled-large3" --steps 600 --lr 1.5e-3 --generated 0.9 --pool-size 1024 --seed 2 --no-progress
+[ -f "$pair/distilled-large5/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large5" --size large --init "$pair/distilled-large4" --steps 600 --lr 1e-3 --generated 0.9 --pool-size 1024 --seed 3 --no-progress
 
 # Bundles (static-KV graphs, the exporter's default for Llama); re-exported if an older export
 # with optimum's concat graphs is in the way.
@@ -34,6 +35,7 @@ small=$(bundle_of distilled "$pair/distilled")
 large=$(bundle_of distilled-large2-int8 "$pair/distilled-large2" --quantize-draft int8)
 large3=$(bundle_of large3-int8 "$pair/distilled-large3" --quantize-draft int8)
 large4=$(bundle_of large4-int8 "$pair/distilled-large4" --quantize-draft int8)
+large5=$(bundle_of large5-int8 "$pair/distilled-large5" --quantize-draft int8)
 # the target in int8 too: a different (quantized) target, 3-4x faster plain decoding on this CPU
 large4_q=$(bundle_of large4-int8all "$pair/distilled-large4" --quantize int8)
 
@@ -46,6 +48,7 @@ edgespec bench "$large3" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --
 edgespec bench "$large3" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-large3-2threads"
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4"
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-large4-2threads"
+edgespec bench "$large5" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large5"
 edgespec bench "$large4_q" --gammas 3,4,5,6,8,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-target"
 edgespec bench "$large4_q" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-int8-target-2threads"
 # 2. the same grid with the pair's own draft and the small distilled draft
