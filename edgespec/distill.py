@@ -54,8 +54,9 @@ def measure_alpha(target_model, draft_model, token_ids, temperature: float, *, b
     """Mean acceptance rate alpha of ``draft_model`` for ``target_model`` on ``token_ids``.
 
     ``token_ids``: a LongTensor ``[n, length]`` (or ``[length]``), or a list of token-id lists; every
-    position ``>= start`` of every row counts (``start`` skips a prompt whose continuation is judged). Temperature 0 compares argmaxes (beta is 1 or 0); a temperature
-    ``T > 0`` compares ``softmax(logits / T)``. Both models run in eval mode without gradients.
+    position ``>= start`` of every row counts (``start`` skips a prompt whose continuation is judged).
+    Temperature 0 compares argmaxes (beta is 1 or 0); a temperature ``T > 0`` compares
+    ``softmax(logits / T)``. Both models run in eval mode without gradients.
     """
     import torch
 
@@ -213,10 +214,10 @@ def continuations(target, prefixes, length: int, temperatures: Sequence[float], 
 
     n, plen = prefixes.shape
     new = length - plen
-    out = torch.empty((n, length), dtype=torch.long)
-    out[:, :plen] = prefixes
     if new <= 0:
         return prefixes[:, :length].clone()
+    out = torch.empty((n, length), dtype=torch.long)                        # [n, length]
+    out[:, :plen] = prefixes
     jobs = [(t, [i for i in range(n) if i % len(temperatures) == k]) for k, t in enumerate(temperatures)]
     with tqdm(total=n, desc=desc, unit="row", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar, \
             torch.no_grad():
