@@ -3,8 +3,9 @@ generate vs assisted generation (PyTorch, CPU), and onnxruntime-genai if it is i
 
     python benchmarks/peers.py --pair ~/.cache/edgespec/pairs/<pair> --out benchmarks/results/<tag>
 
-edgespec's own plain and speculative tokens/s are measured in the same run (interleaved with the
-peers per repeat), so every ratio compares numbers taken minutes apart on one machine.
+edgespec's own plain and speculative tokens/s are measured in the same run, interleaved with the
+peers prompt by prompt (the systems' order rotating per repeat), so every ratio compares numbers
+taken seconds apart on one machine.
 A peer that is not installed is skipped and the output says so.
 """
 from __future__ import annotations
@@ -24,12 +25,10 @@ def log(msg: str) -> None:
     print(f"[peers] {msg}", file=sys.stderr, flush=True)
 
 
-def hf_runner(pair: Path, threads: int, draft_dir: Path | None = None):
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return None, "transformers/torch not installed (pip install 'edgespec[export]')"
+def _hf_models(pair: Path, threads: int, draft_dir: Path | None):
+    import torch
+    from transformers import AutoModelForCausalLM
+
     torch.set_num_threads(threads)
     target = AutoModelForCausalLM.from_pretrained(pair / "target", use_safetensors=True).eval()
     draft = AutoModelForCausalLM.from_pretrained(draft_dir or pair / "draft", use_safetensors=True).eval()
@@ -46,7 +45,62 @@ def hf_runner(pair: Path, threads: int, draft_dir: Path | None = None):
             out = target.generate(torch.tensor([ids]), **kw)
         return out.shape[1] - len(ids)
 
-    return run, None
+    return run
+
+
+def _hf_serve(args) -> int:
+    """The transformers peer's child: one JSON request per stdin line, (tokens, seconds) back."""
+    import json
+
+    run = _hf_models(args.pair, args.threads, args.draft_dir)
+    print('{"ready": true}', flush=True)
+    for line in sys.stdin:
+        q = json.loads(line)
+        t0 = time.perf_counter()
+        n = run(q["ids"], q["max_new_tokens"], q["temperature"], q["assisted"], q["seed"], q["gamma"])
+        print(json.dumps({"n": n, "seconds": time.perf_counter() - t0}), flush=True)
+    return 0
+
+
+def hf_runner(pair: Path, threads: int, draft_dir: Path | None = None):
+    """transformers (PyTorch) in a child process, like genai: with torch merely imported and the
+    models loaded in edgespec's own process, edgespec's ONNX Runtime calls measured about 8% slower
+    (an interleaved A/B on this machine: 0.89x of genai's plain speed against 0.98x without torch),
+    which would charge a peer's footprint to edgespec."""
+    import atexit
+    import importlib.util
+    import json
+    import subprocess
+
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        return None, "transformers/torch not installed (pip install 'edgespec[export]')"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--hf-serve", "--pair", str(pair), "--threads", str(threads),
+           "--out", "-"]
+    if draft_dir is not None:
+        cmd += ["--draft-dir", str(draft_dir)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def stop() -> None:
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        except Exception:
+            proc.kill()
+
+    atexit.register(stop)
+    if not proc.stdout.readline().startswith('{"ready"'):
+        return None, f"the transformers child ({' '.join(cmd)}) did not start (exit {proc.wait()})"
+
+    def run(ids, max_new, temperature, assisted, seed, gamma):
+        proc.stdin.write(json.dumps({"ids": [int(i) for i in ids], "max_new_tokens": max_new, "temperature": temperature,
+                                     "assisted": assisted, "seed": seed, "gamma": gamma}) + "\n")
+        reply = proc.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the transformers child exited (code {proc.wait()})")
+        r = json.loads(reply)
+        return r["n"], r["seconds"]
+
+    return run, "measured (in a child process)"
 
 
 def genai_runner(bundle: Path, threads: int = 1, draft_threads: int = 1):
@@ -131,7 +185,10 @@ def main() -> int:
     ap.add_argument("--draft-threads", type=int, default=1, help="draft intra-op threads, edgespec and genai (default 1)")
     ap.add_argument("--spin", choices=("on", "off"), default="on",
                     help="edgespec's ORT spin-waiting (default on, ORT's default, which genai keeps)")
+    ap.add_argument("--hf-serve", action="store_true", help=argparse.SUPPRESS)  # the transformers child
     args = ap.parse_args()
+    if args.hf_serve:
+        return _hf_serve(args)
     import edgespec
 
     bundle = args.bundle or args.pair / "bundle"
@@ -139,7 +196,7 @@ def main() -> int:
     prompts = [eng.encode(p) for p in CODE_PROMPTS[:4]]
     hf, hf_note = hf_runner(args.pair, args.threads, args.draft_dir)
     genai, genai_note = genai_runner(bundle, args.threads, args.draft_threads)
-    notes = {"transformers": hf_note or "measured", "onnxruntime-genai": genai_note}
+    notes = {"transformers": hf_note, "onnxruntime-genai": genai_note}
     for k, v in notes.items():
         log(f"{k}: {v}")
     systems = {
@@ -159,16 +216,25 @@ def main() -> int:
     for t in (0.0, 1.0):
         tps = {name: [] for name in systems}
         for rep in range(args.repeats + 1):
-            for name, fn in systems.items():
-                n, secs = 0, 0.0
-                for i, ids in enumerate(prompts):
+            # Prompt by prompt, every system back to back (the order rotating per repeat), so that a
+            # drift in the shared host's speed hits every system alike.
+            totals = {name: [0, 0.0] for name in systems}
+            names = list(systems)
+            names = names[rep % len(names):] + names[:rep % len(names)]
+            for i, ids in enumerate(prompts):
+                for name in names:
+                    # a pause between systems: another process's ONNX Runtime threads keep spin-waiting
+                    # for a while after its call returns, and would be charged to whoever runs next
+                    time.sleep(0.1)
                     t0 = time.perf_counter()
-                    got = fn(ids, t, 1000 * rep + i)
+                    got = systems[name](ids, t, 1000 * rep + i)
                     # a runner in another process reports (tokens, its own generation seconds), so the
                     # pipe round trip is not charged to it; in-process runners are timed here
                     k, dt = got if isinstance(got, tuple) else (got, time.perf_counter() - t0)
-                    n, secs = n + k, secs + dt
-                if rep:  # repeat 0 is the warm-up
+                    totals[name][0] += k
+                    totals[name][1] += dt
+            if rep:  # repeat 0 is the warm-up
+                for name, (n, secs) in totals.items():
                     tps[name].append(n / secs)
             log(f"T={t:g} repeat {rep}/{args.repeats}" + (" (warm-up)" if rep == 0 else ""))
         base = statistics.median(tps["edgespec speculative"])

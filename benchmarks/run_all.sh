@@ -65,6 +65,8 @@ python benchmarks/paper_tables.py --pair "$pair" --draft distilled="$pair/distil
 # 5. peers side by side (onnxruntime-genai runs the same bundle's graphs)
 python benchmarks/peers.py --pair "$pair" --bundle "$large" --draft-dir "$pair/distilled-large2" --gamma 5 --repeats 7 --threads 2 --out "$out/peers-large-2threads"
 python benchmarks/peers.py --pair "$pair" --bundle "$large" --draft-dir "$pair/distilled-large2" --gamma 5 --repeats 7 --threads 1 --out "$out/peers-large-1thread"
+python benchmarks/peers.py --pair "$pair" --bundle "$large4" --draft-dir "$pair/distilled-large4" --gamma 5 --repeats 7 --threads 2 --out "$out/peers-large4-2threads"
+python benchmarks/peers.py --pair "$pair" --bundle "$large4" --draft-dir "$pair/distilled-large4" --gamma 5 --repeats 7 --threads 1 --out "$out/peers-large4-1thread"
 # 6. the XLA reference path on the same pair: greedy identity with ONNX Runtime and both runtimes' speed
 grep -q '"kv_layout": "static"' "$pair/bundle-xla/edgespec.json" 2>/dev/null ||
   edgespec export --target "$pair/target" --draft "$pair/draft" --out "$pair/bundle-xla" --format onnx+xla --overwrite --quiet
