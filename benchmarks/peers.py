@@ -25,6 +25,15 @@ def log(msg: str) -> None:
     print(f"[peers] {msg}", file=sys.stderr, flush=True)
 
 
+def _stop_child(proc) -> None:
+    """EOF on stdin ends a child's request loop (genai's then removes its temporary folder)."""
+    try:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+    except Exception:
+        proc.kill()
+
+
 def _hf_models(pair: Path, threads: int, draft_dir: Path | None):
     import torch
     from transformers import AutoModelForCausalLM
@@ -79,15 +88,7 @@ def hf_runner(pair: Path, threads: int, draft_dir: Path | None = None):
     if draft_dir is not None:
         cmd += ["--draft-dir", str(draft_dir)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-
-    def stop() -> None:
-        try:
-            proc.stdin.close()
-            proc.wait(timeout=10)
-        except Exception:
-            proc.kill()
-
-    atexit.register(stop)
+    atexit.register(_stop_child, proc)
     if not proc.stdout.readline().startswith('{"ready"'):
         return None, f"the transformers child ({' '.join(cmd)}) did not start (exit {proc.wait()})"
 
@@ -130,13 +131,6 @@ def genai_runner(bundle: Path, threads: int = 1, draft_threads: int = 1):
     version, has_spec = probe.stdout.split()
     workers: dict = {}
 
-    def stop(proc) -> None:  # EOF on stdin ends the child's loop, so it removes its temporary folder
-        try:
-            proc.stdin.close()
-            proc.wait(timeout=10)
-        except Exception:
-            proc.kill()
-
     def worker(speculative: bool, gamma: int):
         key = (speculative, gamma if speculative else None)
         if key not in workers:
@@ -145,7 +139,7 @@ def genai_runner(bundle: Path, threads: int = 1, draft_threads: int = 1):
             if speculative:
                 cmd += ["--speculative", "--gamma", str(gamma)]
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-            atexit.register(stop, proc)
+            atexit.register(_stop_child, proc)
             ready = proc.stdout.readline()
             if not ready.startswith('{"ready"'):
                 raise RuntimeError(f"genai worker {' '.join(cmd)} did not start (exit {proc.wait()})")
