@@ -43,15 +43,20 @@ class _LinearTime:
         self._s *= _FORGET_TIME
         self._s += (1.0, k, k * k, t, k * t)
 
-    def __call__(self, k: int) -> float:
-        n, sk, skk, st, skt = self._s
+    def line(self) -> tuple[float, float]:
+        """(a, b) of the current fit; t(k) = max(1e-9, a + b k)."""
+        n, sk, skk, st, skt = (float(x) for x in self._s)
         if n == 0:
-            return 1.0
+            return 1.0, 0.0
         var = n * skk - sk * sk
         if var <= 1e-9 * n * n:  # one width seen so far: no slope yet
-            return k * st / sk if self._proportional else st / n
+            return (0.0, st / sk) if self._proportional else (st / n, 0.0)
         b = max(0.0, (n * skt - sk * st) / var)
-        return max(1e-9, (st - b * sk) / n + b * k)
+        return (st - b * sk) / n, b
+
+    def __call__(self, k: int) -> float:
+        a, b = self.line()
+        return max(1e-9, a + b * k)
 
 
 class AdaptiveGamma:
@@ -64,6 +69,8 @@ class AdaptiveGamma:
         self._target_time = _LinearTime()                   # verify width k -> seconds per target call
         self._prob = 1.0
         self._expected = 1.0
+        self._lines = (1.0, 0.0, 1.0, 0.0)  # this round's (a, b) of the draft and target fits
+        self._mean_keep = 0.5
 
     # ---------------------------------------------------------------- predictions
     def _keep_prob(self, confidence: float) -> float:
@@ -73,6 +80,11 @@ class AdaptiveGamma:
     # ---------------------------------------------------------------- per round
     def start_round(self) -> None:
         self._prob, self._expected = 1.0, 1.0
+        # Nothing learned changes during a round (update() comes after it), so the fits and the
+        # mean keep rate are read once here, not once per drafted token (keep_going is on the
+        # draft loop's path).
+        self._lines = (*self._draft_time.line(), *self._target_time.line())
+        self._mean_keep = float(self._kept.sum() / self._seen.sum())
 
     def keep_going(self, i: int, confidence: float) -> bool:
         """After drafting token i with the given confidence: draft token i + 1?"""
@@ -81,11 +93,12 @@ class AdaptiveGamma:
         self._expected += self._prob
         if not self._rounds:               # nothing measured yet: explore the full length
             return True
-        mean_keep = float(self._kept.sum() / self._seen.sum())
-        gain = self._prob * mean_keep       # expected extra tokens from draft i + 1
-        d, t = self._draft_time, self._target_time
-        cost = max(0.0, d(i + 1) - d(i)) + max(0.0, t(i + 2) - t(i + 1))
-        spent = d(i) + t(i + 1)
+        gain = self._prob * self._mean_keep  # expected extra tokens from draft i + 1
+        ad, bd, at, bt = self._lines
+        d_i, d_next = max(1e-9, ad + bd * i), max(1e-9, ad + bd * (i + 1))          # t_draft(i), (i + 1)
+        t_i, t_next = max(1e-9, at + bt * (i + 1)), max(1e-9, at + bt * (i + 2))    # t_target(i + 1), (i + 2)
+        cost = max(0.0, d_next - d_i) + max(0.0, t_next - t_i)
+        spent = d_i + t_i
         return gain * spent > self._expected * cost
 
     def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float) -> None:

@@ -367,7 +367,8 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     # alpha is an expectation over the prefixes decoding visits, which are the target's output).
     plen = max(1, ctx // 4)
     n_eval = min(32, len(windows))
-    on_target = {t: continuations(tmodel, windows[k:n_eval:2, :plen], ctx, (t,), seed + 1, progress=progress,
+    # even windows for T=0, odd ones for T=1 (with a single window, it serves both)
+    on_target = {t: continuations(tmodel, windows[k % n_eval:n_eval:2, :plen], ctx, (t,), seed + 1, progress=progress,
                                   desc=f"held-out continuations T={t:g}") for k, t in enumerate((0.0, 1.0))}
 
     def alphas(m):

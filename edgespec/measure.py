@@ -108,7 +108,8 @@ class SettingResult:
         # prediction with the measured verify cost is E / ((g c + 1) V) = Theorem 3.8 / V; what the
         # run still misses against that is sampling, Python and prefill time.
         plain_s, plain_n = self.plain_step
-        v = (target_s / steps) / (plain_s / plain_n) if steps and plain_n and plain_s > 0 else float("nan")
+        v = (target_s / steps) / (plain_s / plain_n) if steps and target_s > 0 and plain_n and plain_s > 0 \
+            else float("nan")
         predicted = theory.speedup(alpha, g, c) if ok else float("nan")
         return {
             "setting": self.setting.label,

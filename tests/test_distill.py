@@ -125,6 +125,12 @@ def test_distill_cli_with_baseline(target, corpus, tmp_path, capsys):
         assert set(r[key]) == {"T0", "T1"} and all(0 <= v <= 1 for v in r[key].values())
 
 
+def test_distill_with_a_single_eval_window(target, corpus, tmp_path):
+    r = distill(target, tmp_path / "d", hidden=16, layers=1, heads=1, intermediate=32, corpus=corpus, steps=1,
+                batch_size=2, eval_windows=1, progress=False)
+    assert set(r["alpha_on_target_after"]) == {"T0", "T1"}
+
+
 def test_continuations_are_the_targets_own_text(target):
     from edgespec.distill import continuations, load_target
 
