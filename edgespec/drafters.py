@@ -14,7 +14,7 @@ import numpy as np
 
 from .backend import Backend
 from .config import SamplingConfig
-from .sampling import argmax_token, process_logits, sample_index
+from .sampling import argmax_token, sample_row
 
 # keep_going(i, confidence) -> bool: after drafting token i (1-based), draft another one?
 KeepGoing = Callable[[int, float], bool]
@@ -55,12 +55,11 @@ class ModelDrafter:
                 ids[g] = argmax_token(logits[0], "draft model")
                 q[g, ids[g]] = 1.0
             else:
-                q[g] = process_logits(logits, sampling, "draft model")[0]
-                ids[g] = sample_index(q[g], rng.random())
+                ids[g] = sample_row(logits[0], sampling, rng.random(), q[g], "draft model")
             # confidence (only for a length policy): the probability the draft gave its token; for
             # greedy (q one-hot) the draft's softmax probability of its argmax, still a sureness signal.
             if keep_going is not None:
-                conf[g] = q[g, ids[g]] if not greedy else 1.0 / np.exp(logits - logits.max()).sum()
+                conf[g] = q[g, ids[g]] if not greedy else 1.0 / np.exp(logits - logits[0, ids[g]]).sum()
             feed = ids[g:g + 1]
             g += 1
             if keep_going is not None and g < gamma and not keep_going(g, conf[g - 1]):

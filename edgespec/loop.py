@@ -17,8 +17,8 @@ from .config import GenerationConfig
 from .errors import InvalidArgumentError, PromptTooLongError
 from .adaptive import AdaptiveGamma
 from .drafters import ModelDrafter, NgramDrafter  # noqa: F401  (re-exported)
-from .rejection import TARGET, overlap, speculative_sample
-from .sampling import argmax_token, process_logits, sample_index
+from .rejection import TARGET, greedy_verdict, overlap, speculative_sample
+from .sampling import argmax_rows, argmax_token, process_logits, sample_row
 
 
 @dataclass
@@ -142,12 +142,18 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     # 2. verify: one target call over [pending, x_1..x_g] gives p_1..p_{g+1}.
     logits = target.extend(np.concatenate(([generated[-1]], x)))[:, :vocab]     # [g+1, V]
     t2 = time.perf_counter()
-    p = process_logits(logits, sampling, "target model")                        # [g+1, V]
     # 3. accept: leading drafts kept, then a recovered or bonus token.
-    verdict = speculative_sample(x, q, p, rng, config.lenience)
+    if sampling.greedy:  # p one-hot: the test reduces to comparing argmaxes (greedy_verdict)
+        a = argmax_rows(logits, "target model")                                 # [g+1]
+        verdict = greedy_verdict(x, a)
+    else:
+        p = process_logits(logits, sampling, "target model")                    # [g+1, V]
+        verdict = speculative_sample(x, q, p, rng, config.lenience)
     n = verdict.n_accepted
     examined = min(n + 1, g)  # positions whose prefix the target agreed with
-    stats.beta_sum += float(overlap(p[:examined], q[:examined]).sum())
+    # beta = sum_x min(p, q) per examined position; with p one-hot on a that is q(a).
+    beta = q[np.arange(examined), a[:examined]] if sampling.greedy else overlap(p[:examined], q[:examined])
+    stats.beta_sum += float(beta.sum())
     stats.beta_count += examined
     # Roll back by moving positions: the target keeps pending + x_1..x_n, the new pending token
     # is the verdict's; the draft keeps at most the same prefix.
@@ -177,7 +183,7 @@ def _plain_step(target: Backend, generated: list[int], config: GenerationConfig,
     if config.sampling.greedy:
         token = argmax_token(logits[0], "target model")
     else:
-        token = sample_index(process_logits(logits, config.sampling, "target model")[0], rng.random())
+        token = sample_row(logits[0], config.sampling, rng.random(), np.empty(vocab), "target model")
     stats.target_calls += 1
     stats.plain_steps += 1
     stats.target_s += t1 - t0
@@ -241,7 +247,7 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
             f"prompt ({prompt.size} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the model's "
             f"{target.max_length} positions; shorten the prompt or lower max_new_tokens to at most {max(room, 0)}")
     stats.target_calls = 1
-    first = sample_index(process_logits(logits, config.sampling, "target model")[0], rng.random())
+    first = sample_row(logits[0], config.sampling, rng.random(), np.empty(vocab), "target model")
     block, reason = commit([first], [TARGET])
     stats.ttft_s = time.perf_counter() - start
     yield block

@@ -52,6 +52,22 @@ def speculative_sample(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
     return Verdict(n, sample_index(residual, rng.random()), RECOVERED)
 
 
+def greedy_verdict(draft_ids: np.ndarray, target_ids: np.ndarray) -> Verdict:
+    """speculative_sample when p is one-hot (greedy): draft_ids [g], target_ids [g + 1] the
+    target's argmax at each position.
+
+    With p_i one-hot on a_i the test keeps x_i iff r * l * q(x_i) < p(x_i): always when x_i = a_i
+    (r < 1, l q <= 1), never otherwise (p(x_i) = 0); the residual max(0, p - l q) at the first
+    rejection has mass only on a_n, and the bonus draw from p_{g+1} is a_g. So neither q nor the
+    uniforms matter; none are drawn.
+    """
+    xs, ts = draft_ids.tolist(), target_ids.tolist()
+    g, n = len(xs), 0
+    while n < g and xs[n] == ts[n]:
+        n += 1
+    return Verdict(n, int(ts[n]), BONUS if n == g else RECOVERED)
+
+
 def overlap(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     """beta = sum_x min(p(x), q(x)) = 1 - D_LK(p, q) per row (Definition 3.2). p, q: [k, V] -> [k]."""
     return np.minimum(p, q).sum(axis=-1)

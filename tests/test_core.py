@@ -10,8 +10,8 @@ from hypothesis import given, settings, strategies as st
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.errors import EdgeSpecError, InvalidArgumentError, NonFiniteLogitsError, PromptTooLongError
 from edgespec.loop import generate, iter_generate
-from edgespec.rejection import speculative_sample
-from edgespec.sampling import process_logits, sample_index
+from edgespec.rejection import BONUS, RECOVERED, greedy_verdict, speculative_sample
+from edgespec.sampling import argmax_rows, argmax_token, process_logits, sample_index, sample_row
 from edgespec.toy import ToyBackend, ToyLM, toy_pair
 
 GREEDY = SamplingConfig(0.0)
@@ -205,6 +205,53 @@ def test_non_finite_logits_fail_clearly():
     t = ToyBackend(ToyLM(3, 2, table=table))
     with pytest.raises(NonFiniteLogitsError):
         generate(t, [1], cfg(max_new_tokens=3), np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(0.0), SamplingConfig(1.0), SamplingConfig(0.7),
+                                      SamplingConfig(1.3, top_k=5), SamplingConfig(1.0, top_p=0.6)], ids=str)
+def test_sample_row_is_process_logits_then_sample_index(sampling):
+    # The loop's one-row fast path draws the same token from the same distribution as the
+    # reference pair (the draw may differ only where u falls within rounding of a CDF step).
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        logits = (rng.standard_normal(64) * 3).astype(np.float32)                # [V]
+        u = rng.random()
+        ref = process_logits(logits[None], sampling)[0]                          # [V]
+        out = np.full(64, np.nan)                                                 # [V] overwritten
+        assert sample_row(logits, sampling, u, out) == sample_index(ref, u)
+        np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-12)
+
+
+def test_one_row_and_row_wise_argmax_fail_clearly_on_non_finite_logits():
+    for bad in (np.nan, np.inf):
+        row = np.array([0.0, bad, 1.0], dtype=np.float32)
+        for call in (lambda: argmax_token(row), lambda: argmax_rows(np.stack([np.zeros(3), row])),
+                     lambda: sample_row(row, SamplingConfig(1.0), 0.5, np.empty(3))):
+            with pytest.raises(NonFiniteLogitsError, match="NaN or \\+inf"):
+                call()
+    with pytest.raises(NonFiniteLogitsError, match="-inf everywhere"):
+        argmax_token(np.full(3, -np.inf))
+    assert argmax_rows(np.array([[0.0, 2.0, 2.0], [5.0, -np.inf, 1.0]])).tolist() == [1, 0]  # first index on ties
+
+
+@pytest.mark.parametrize("lenience", [1.0, 0.4])
+def test_greedy_verdict_is_speculative_sample_with_one_hot_p(lenience):
+    rng = np.random.default_rng(3)
+    V = 6
+    for _ in range(300):
+        g = int(rng.integers(1, 6))
+        target_ids = rng.integers(0, 3, size=g + 1)                               # [g+1] few ids: many matches
+        q = rng.dirichlet(np.ones(V), size=g)                                     # [g, V] any draft q
+        draft_ids = np.array([rng.choice(V, p=row) for row in q])                 # [g] x_i ~ q_i
+        p = np.zeros((g + 1, V))
+        p[np.arange(g + 1), target_ids] = 1.0                                     # [g+1, V] one-hot
+        ref = speculative_sample(draft_ids, q, p, rng, lenience)
+        fast = greedy_verdict(draft_ids, target_ids)
+        assert (fast.n_accepted, fast.token, fast.kind) == (ref.n_accepted, ref.token, ref.kind)
+    v = greedy_verdict(np.array([1, 2]), np.array([1, 2, 0]))
+    assert (v.n_accepted, v.token, v.kind) == (2, 0, BONUS)
+    v = greedy_verdict(np.array([1, 2]), np.array([1, 3, 0]))
+    assert (v.n_accepted, v.token, v.kind) == (1, 3, RECOVERED)
 
 
 def test_sample_index_never_returns_zero_probability_id():
