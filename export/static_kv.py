@@ -11,8 +11,9 @@ speculative loop needs after every round that rejects a draft.
 
 The rest of the graph is written directly too (as onnxruntime-genai's model builder does rather
 than traced): packed QKV (and gate/up) MatMuls, rotary embedding inside the attention op, RMSNorm
-as SimplifiedLayerNormalization. It has a fraction of the nodes of the traced graph, which matters
-for small models, where per-node overhead is a large part of a step.
+as SimplifiedLayerNormalization, with Llama's residual Adds fused into it
+(SkipSimplifiedLayerNormalization). It has a fraction of the nodes of the traced graph, which
+matters for small models, where per-node overhead is a large part of a step.
 
 Inputs and outputs follow the contract: ``input_ids`` [1, k], ``attention_mask`` [1, P + k]
 (all ones; the graph derives the attention op's seqlens_k = P + k - 1 and total length from it,
@@ -141,26 +142,38 @@ def _llama(g: _Graph, config: dict, max_positions: int) -> int:
     def rms_norm(x: str, w: np.ndarray, name: str) -> str:
         return g.op("SimplifiedLayerNormalization", [x, g.weight(name + ".w", w)], [name], axis=-1, epsilon=eps, stash_type=1)
 
+    def add_rms_norm(x: str, residual: str, w: np.ndarray, name: str) -> tuple[str, str]:
+        """(RMSNorm(residual + x), residual + x) in one node: the residual Add is fused in."""
+        out = g.op("SkipSimplifiedLayerNormalization", [x, residual, g.weight(name + ".w", w)],
+                   [name, "", "", name + ".sum"], domain="com.microsoft", epsilon=eps)
+        return out[0], out[3]
+
     # Rotary tables [max_positions, head / 2], HF Llama's non-interleaved halves.
     angles = np.arange(max_positions, dtype=np.float64)[:, None] / theta ** (np.arange(0, head, 2) / head)[None, :]
     g.weight("cos_cache", np.cos(angles))
     g.weight("sin_cache", np.sin(angles))
     x = g.op("Gather", [g.weight("embed_tokens", s["model.embed_tokens.weight"]), contract.INPUT_IDS], ["h0"])
+    # x is the residual stream; h its normalised copy that feeds the next block. Each residual Add
+    # is fused into the norm that follows it (the last one into the final norm): per-node overhead
+    # is a large part of a small model's step.
+    h = rms_norm(x, s["model.layers.0.input_layernorm.weight"], "l0.ln1")
     for i in range(layers):
         p = f"model.layers.{i}."
         qkv = np.concatenate([s[p + f"self_attn.{m}_proj.weight"] for m in "qkv"], axis=0).T  # [hidden, (H + 2 Hkv) d]
-        attn = g.attention(i, g.linear(rms_norm(x, s[p + "input_layernorm.weight"], f"l{i}.ln1"), f"l{i}.qkv", qkv),
-                           heads, kv_heads, head, rotary=True)
-        x = g.op("Add", [x, g.linear(attn, f"l{i}.o", s[p + "self_attn.o_proj.weight"].T)], [f"l{i}.resid"])
+        attn = g.attention(i, g.linear(h, f"l{i}.qkv", qkv), heads, kv_heads, head, rotary=True)
+        h, x = add_rms_norm(g.linear(attn, f"l{i}.o", s[p + "self_attn.o_proj.weight"].T), x,
+                            s[p + "post_attention_layernorm.weight"], f"l{i}.ln2")
         inter = s[p + "mlp.gate_proj.weight"].shape[0]
         gate_up = np.concatenate([s[p + "mlp.gate_proj.weight"], s[p + "mlp.up_proj.weight"]], axis=0).T
-        gu = g.linear(rms_norm(x, s[p + "post_attention_layernorm.weight"], f"l{i}.ln2"), f"l{i}.gate_up", gate_up)
+        gu = g.linear(h, f"l{i}.gate_up", gate_up)
         gate, up = g.op("Split", [gu, g.weight(f"l{i}.split", np.array([inter, inter]), np.int64)],
                         [f"l{i}.gate", f"l{i}.up"], axis=-1)
         silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], [f"l{i}.sig"])], [f"l{i}.silu"])
         act = g.op("Mul", [silu, up], [f"l{i}.act"])
-        x = g.op("Add", [x, g.linear(act, f"l{i}.down", s[p + "mlp.down_proj.weight"].T)], [f"h{i + 1}"])
-    g.op("MatMul", [rms_norm(x, s["model.norm.weight"], "final_norm"), g.weight("lm_head", s["lm_head.weight"].T)], [contract.LOGITS])
+        last = i + 1 == layers
+        norm_w, norm_name = (s["model.norm.weight"], "final_norm") if last else (s[f"model.layers.{i + 1}.input_layernorm.weight"], f"l{i + 1}.ln1")
+        h, x = add_rms_norm(g.linear(act, f"l{i}.down", s[p + "mlp.down_proj.weight"].T), x, norm_w, norm_name)
+    g.op("MatMul", [h, g.weight("lm_head", s["lm_head.weight"].T)], [contract.LOGITS])
     return int(s["lm_head.weight"].shape[0])
 
 
