@@ -1,6 +1,7 @@
 """``edgespec bench BUNDLE``: alpha, c, tokens per round, tokens/s plain vs speculative (same run,
-interleaved, warm-up discarded, medians and IQR), Theorem 3.8 next to the measured speedup, and
-target/draft bytes read per generated token."""
+interleaved, warm-up discarded, medians and IQR), Theorem 3.8 next to the measured speedup,
+target/draft bytes read per generated token, and adaptive against the best static gamma (every
+setting of a temperature runs side by side, prompt by prompt)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,7 @@ from pathlib import Path
 
 from .config import SamplingConfig
 from .errors import InvalidArgumentError
-from .measure import ReadCounter, Setting, hardware_counters_note, run_setting
+from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
 from .report import format_table, machine_description, plot, write_json
 
@@ -124,22 +125,26 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"{args.bundle} has no draft model; export one with --draft, or use --draft ngram")
     prompts = [ob.tokenizer.encode(p).ids for p in read_prompts(args.prompts)]
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
-    rows = []
     t0 = time.perf_counter()
-    for s in grid:
-        r = run_setting(ob.target, ob.draft, prompts, s, args.max_new_tokens, args.repeats, warmup=1,
-                        eos_token_ids=tuple(ob.manifest.target.eos_token_ids), seed=args.seed, progress=log,
-                        vocab_size=ob.manifest.shared_vocab_size)
-        rows.append(r.summary())
-        log(f"{s.label}: speedup {rows[-1]['speedup']:.2f}x (Thm 3.8 {rows[-1]['predicted_speedup']:.2f}x)")
+    # Settings that sample alike are measured side by side (one shared plain run per prompt), so
+    # they can be compared with each other too (adaptive vs static gamma below).
+    results = run_settings(ob.target, ob.draft, prompts, grid, args.max_new_tokens, args.repeats, warmup=1,
+                           eos_token_ids=tuple(ob.manifest.target.eos_token_ids), seed=args.seed, progress=log,
+                           vocab_size=ob.manifest.shared_vocab_size)
+    rows = [r.summary() for r in results]
     print(format_table(rows))
+    versus = adaptive_vs_static(results)
+    for v in versus:
+        lo, hi = v["iqr"]
+        print(f"T={v['temperature']:g} {v['draft']}: adaptive gamma / best static gamma ({v['best_static_gamma']}) "
+              f"= {v['adaptive_over_best_static']:.3f} [{lo:.3f}-{hi:.3f}] (speculative tokens/s, same run)")
     note = hardware_counters_note()
     print(note)
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
                "providers": args.provider, "threads": args.threads, "draft_threads": args.draft_threads,
                "spin": args.spin, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
-               "hardware_counters": note, "results": rows,
+               "hardware_counters": note, "results": rows, "adaptive_vs_static": versus,
                "command": "edgespec bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "edgespec bench"}
     if args.out is not None:
         write_json(args.out / "bench.json", payload)

@@ -148,68 +148,122 @@ def run_setting(target: ReadCounter, draft: ReadCounter | None, prompts: Sequenc
                 setting: Setting, max_new_tokens: int, repeats: int, warmup: int = 1,
                 eos_token_ids: tuple[int, ...] = (), seed: int = 0,
                 progress: Callable[[str], None] | None = None, vocab_size: int | None = None) -> SettingResult:
-    """Interleave plain and speculative runs of every prompt, ``warmup`` rounds discarded."""
+    """One setting: plain and speculative runs of every prompt interleaved (see run_settings)."""
+    return run_settings(target, draft, prompts, [setting], max_new_tokens, repeats, warmup, eos_token_ids, seed,
+                        progress, vocab_size)[0]
+
+
+def run_settings(target: ReadCounter, draft: ReadCounter | None, prompts: Sequence[Sequence[int]],
+                 settings: Sequence[Setting], max_new_tokens: int, repeats: int, warmup: int = 1,
+                 eos_token_ids: tuple[int, ...] = (), seed: int = 0,
+                 progress: Callable[[str], None] | None = None, vocab_size: int | None = None) -> list[SettingResult]:
+    """Measure settings side by side, ``warmup`` repeats discarded. Settings that sample alike
+    run together: for every prompt, one plain run and every setting's speculative run back to back
+    (same seed; the order rotates from prompt to prompt), so a drift in the host's speed hits plain
+    decoding and every setting alike, and settings can be compared with each other, not only with
+    plain decoding. The plain run is shared: every setting of the group gets the same plain tokens/s."""
+    results = [SettingResult(s) for s in settings]
+    groups: dict[SamplingConfig, list[int]] = {}
+    for j, s in enumerate(settings):
+        groups.setdefault(s.sampling, []).append(j)
+    for sampling, members in groups.items():
+        _run_group(target, draft, prompts, [results[j] for j in members], max_new_tokens, repeats, warmup,
+                   eos_token_ids, seed, progress, vocab_size)
+    return results
+
+
+def _run_group(target, draft, prompts, results: list[SettingResult], max_new_tokens, repeats, warmup,
+               eos_token_ids, seed, progress, vocab_size) -> None:
     from .drafters import NgramDrafter
 
-    cfg = GenerationConfig(max_new_tokens=max_new_tokens, sampling=setting.sampling, gamma=setting.gamma,
-                           lenience=setting.lenience, eos_token_ids=eos_token_ids,
-                           max_gamma=max(8, setting.gamma or 8), vocab_size=vocab_size)
-    res = SettingResult(setting)
-    # One adaptive policy for the whole setting, as an Engine keeps one across calls: the warm-up
-    # repeat is also its first lesson.
-    policy = AdaptiveGamma(cfg.max_gamma) if setting.gamma is None else None
-    plain_reads = [0, 0, 0]   # target bytes, tokens
-    spec_reads = [0, 0, 0, 0]  # target bytes, draft bytes, tokens
+    cfgs = [GenerationConfig(max_new_tokens=max_new_tokens, sampling=r.setting.sampling, gamma=r.setting.gamma,
+                             lenience=r.setting.lenience, eos_token_ids=eos_token_ids,
+                             max_gamma=max(8, r.setting.gamma or 8), vocab_size=vocab_size) for r in results]
+    # One adaptive policy per setting for the whole run, as an Engine keeps one across calls: the
+    # warm-up repeat is also its first lesson.
+    policies = [AdaptiveGamma(c.max_gamma) if r.setting.gamma is None else None for r, c in zip(results, cfgs)]
+    drafters = [NgramDrafter() if r.setting.draft == "ngram" else draft for r in results]
+    modes = [-1, *range(len(results))]  # -1: plain decoding
+    plain_step = [0.0, 0]
+    plain_reads = [0, 0]                             # target bytes, tokens
+    spec_reads = [[0, 0, 0] for _ in results]        # target bytes, draft bytes, tokens
+    plain_tps, plain_ttft = [], []
+    label = results[0].setting.label if len(results) == 1 else f"T={results[0].setting.sampling.temperature:g}, {len(results)} settings"
     for rep in range(warmup + repeats):
         keep = rep >= warmup
-        totals = {"plain": [0, 0.0, 0.0], "spec": [0, 0.0, 0.0]}  # tokens, seconds, ttft
+        totals = {m: [0, 0.0, 0.0] for m in modes}  # tokens, seconds, ttft
         for i, prompt in enumerate(prompts):
-            for mode in ("plain", "spec"):  # same prompt, same seed, back to back
+            turn = (rep * len(prompts) + i) % len(modes)
+            for m in modes[turn:] + modes[:turn]:
                 rng = np.random.default_rng(seed + 1000 * rep + i)
-                drafter = None if mode == "plain" else (NgramDrafter() if setting.draft == "ngram" else draft)
                 target.reset()
                 if draft is not None:
                     draft.reset()
                 t0 = time.perf_counter()
-                r = generate(target, prompt, cfg, rng, drafter, policy=policy)
+                r = generate(target, prompt, cfgs[max(m, 0)], rng, None if m < 0 else drafters[m],
+                             policy=None if m < 0 else policies[m])
                 dt = time.perf_counter() - t0
-                tot = totals[mode]
+                tot = totals[m]
                 tot[0] += len(r.tokens)
                 tot[1] += dt
                 tot[2] += r.stats.ttft_s
-                if keep:
-                    if mode == "plain":
-                        plain_reads[0] += target.weight_read + target.kv_read
-                        plain_reads[1] += len(r.tokens)
-                        res.plain_step[0] += r.stats.target_s
-                        res.plain_step[1] += r.stats.target_calls - 1  # the prefill is not a step
-                    else:
-                        res.stats.append(r.stats)
-                        spec_reads[0] += target.weight_read + target.kv_read
-                        spec_reads[1] += (draft.weight_read + draft.kv_read) if drafter is draft and draft else 0
-                        spec_reads[2] += len(r.tokens)
+                if not keep:
+                    continue
+                if m < 0:
+                    plain_reads[0] += target.weight_read + target.kv_read
+                    plain_reads[1] += len(r.tokens)
+                    plain_step[0] += r.stats.target_s
+                    plain_step[1] += r.stats.target_calls - 1  # the prefill is not a step
+                else:
+                    results[m].stats.append(r.stats)
+                    reads = spec_reads[m]
+                    reads[0] += target.weight_read + target.kv_read
+                    reads[1] += (draft.weight_read + draft.kv_read) if drafters[m] is draft and draft else 0
+                    reads[2] += len(r.tokens)
         if keep:
-            p_tps = totals["plain"][0] / totals["plain"][1]
-            s_tps = totals["spec"][0] / totals["spec"][1]
-            res.plain_tps.append(p_tps)
-            res.spec_tps.append(s_tps)
-            res.ratios.append(s_tps / p_tps)
-            res.plain_ttft.append(totals["plain"][2] / len(prompts))
-            res.spec_ttft.append(totals["spec"][2] / len(prompts))
+            p_tps = totals[-1][0] / totals[-1][1]
+            plain_tps.append(p_tps)
+            plain_ttft.append(totals[-1][2] / len(prompts))
+            for m, res in enumerate(results):
+                s_tps = totals[m][0] / totals[m][1]
+                res.spec_tps.append(s_tps)
+                res.ratios.append(s_tps / p_tps)
+                res.spec_ttft.append(totals[m][2] / len(prompts))
         if progress is not None:
-            progress(f"{setting.label}: repeat {rep + 1}/{warmup + repeats}" + ("" if keep else " (warm-up)"))
-    if plain_reads[1] and spec_reads[2]:
-        t_plain = plain_reads[0] / plain_reads[1]
-        t_spec = spec_reads[0] / spec_reads[2]
-        d_spec = spec_reads[1] / spec_reads[2]
-        res.reads = {
-            "target_bytes_per_token_plain": t_plain,
-            "target_bytes_per_token_spec": t_spec,
-            "draft_bytes_per_token_spec": d_spec,
-            "target_read_reduction": t_plain / t_spec if t_spec else float("nan"),
-            "total_read_reduction": t_plain / (t_spec + d_spec) if t_spec + d_spec else float("nan"),
-        }
-    return res
+            progress(f"{label}: repeat {rep + 1}/{warmup + repeats}" + ("" if keep else " (warm-up)"))
+    for res, (t_bytes, d_bytes, n) in zip(results, spec_reads):
+        res.plain_tps, res.plain_ttft, res.plain_step = list(plain_tps), list(plain_ttft), list(plain_step)
+        if plain_reads[1] and n:
+            t_plain, t_spec, d_spec = plain_reads[0] / plain_reads[1], t_bytes / n, d_bytes / n
+            res.reads = {
+                "target_bytes_per_token_plain": t_plain,
+                "target_bytes_per_token_spec": t_spec,
+                "draft_bytes_per_token_spec": d_spec,
+                "target_read_reduction": t_plain / t_spec if t_spec else float("nan"),
+                "total_read_reduction": t_plain / (t_spec + d_spec) if t_spec + d_spec else float("nan"),
+            }
+
+
+def adaptive_vs_static(results: Sequence[SettingResult]) -> list[dict]:
+    """Per group of settings measured together (same sampling, lenience and drafter): adaptive
+    gamma's speculative tokens/s over the best static gamma's, repeat by repeat (both from the same
+    interleaved run). The best static gamma is picked on the same repeats, which favours it."""
+    out = []
+    groups: dict[tuple, list[SettingResult]] = {}
+    for r in results:
+        s = r.setting
+        groups.setdefault((s.sampling, s.lenience, s.draft), []).append(r)
+    for (sampling, lenience, kind), rs in groups.items():
+        auto = [r for r in rs if r.setting.gamma is None]
+        static = [r for r in rs if r.setting.gamma is not None and r.spec_tps]
+        if not auto or not static or not auto[0].spec_tps:
+            continue
+        best = max(static, key=lambda r: _med(r.spec_tps))
+        ratios = [a / b for a, b in zip(auto[0].spec_tps, best.spec_tps)]
+        out.append({"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                    "lenience": lenience, "draft": kind, "best_static_gamma": best.setting.gamma,
+                    "adaptive_over_best_static": _med(ratios), "iqr": _iqr(ratios), "all": ratios})
+    return out
 
 
 def hardware_counters_note() -> str:

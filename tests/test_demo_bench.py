@@ -46,6 +46,49 @@ def test_bench_writes_table_json_and_plots(tiny_bundle, tmp_path, capsys):
         assert r["predicted_speedup_verify_cost"] == pytest.approx(r["predicted_speedup"] / r["verify_cost_steps"])
     assert (tmp_path / "out" / "speedup.png").stat().st_size > 1000
     assert (tmp_path / "out" / "accepted_hist.png").stat().st_size > 1000
+    assert [v["temperature"] for v in data["adaptive_vs_static"]] == [0.0, 1.0]
+    assert "adaptive gamma / best static gamma" in out
+
+
+def test_settings_run_side_by_side_with_a_shared_plain_run(monkeypatch):
+    """run_settings: per prompt, one plain run and every setting of the same sampling back to
+    back, the order rotating; one plain tokens/s per repeat shared by the group; ratios same-run."""
+    import numpy as np
+
+    from edgespec import measure
+    from edgespec.config import SamplingConfig
+    from edgespec.measure import ReadCounter, Setting, adaptive_vs_static, run_settings
+    from edgespec.toy import toy_pair
+
+    target, draft = toy_pair(vocab_size=40, order=3, noise=1.0, seed=2, max_length=256)
+    calls = []
+    real = measure.generate
+
+    def spy(tb, prompt, cfg, rng, drafter=None, policy=None):
+        calls.append((cfg.sampling.temperature, "plain" if drafter is None else cfg.gamma, tuple(prompt)))
+        return real(tb, prompt, cfg, rng, drafter, policy=policy)
+
+    monkeypatch.setattr(measure, "generate", spy)
+    settings = [Setting(g, SamplingConfig(t)) for t in (0.0, 1.0) for g in (2, 4, None)]
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    res = run_settings(ReadCounter(target, 100, 1), ReadCounter(draft, 10, 1), prompts, settings,
+                       max_new_tokens=10, repeats=2, warmup=1)
+    assert len(calls) == 2 * 3 * 3 * 4          # temperatures x repeats (warm-up too) x prompts x (plain + 3)
+    for k in range(0, len(calls), 4):           # each prompt: plain and the three settings, back to back
+        block = calls[k:k + 4]
+        assert {c[1] for c in block} == {"plain", 2, 4, None} and len({c[2] for c in block}) == 1
+    assert len({calls[k][1] for k in range(0, len(calls), 4)}) == 4  # who goes first rotates
+    for group in (res[:3], res[3:]):
+        assert all(r.plain_tps == group[0].plain_tps and len(r.plain_tps) == 2 for r in group)
+        for r in group:
+            assert r.ratios == [s / p for s, p in zip(r.spec_tps, r.plain_tps)]
+            assert r.summary()["target_read_reduction"] > 1
+    versus = adaptive_vs_static(res)
+    assert [v["temperature"] for v in versus] == [0.0, 1.0]
+    for v, group in zip(versus, (res[:3], res[3:])):
+        best = max(group[:2], key=lambda r: np.median(r.spec_tps))
+        assert v["best_static_gamma"] == best.setting.gamma
+        assert v["all"] == [a / b for a, b in zip(group[2].spec_tps, best.spec_tps)]
 
 
 def test_verify_cost_is_verify_call_over_plain_step():
