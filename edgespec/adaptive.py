@@ -59,6 +59,37 @@ class _LinearTime:
         return max(1e-9, a + b * k)
 
 
+class _WidthTime(_LinearTime):
+    """Verify time per width: the mean of what that width measured (decayed like the line), the
+    linear fit where a width has too few measurements.
+
+    A CPU's cost is not linear in the width: GEMM kernels work on row blocks, so one more token can
+    cost nothing or a whole block (measured on the bench target, 1 thread: 8.78 ms for 6 tokens,
+    9.81 for 7, 9.63 for 8). The line alone would price every width alike and make the policy draft
+    into the expensive steps."""
+
+    _MIN_SEEN = 3.0
+
+    def __init__(self, max_width: int):
+        super().__init__()
+        self._n = np.zeros(max_width + 1)   # [widths] decayed counts
+        self._t = np.zeros(max_width + 1)   # [widths] decayed sums of seconds
+
+    def add(self, k: int, t: float) -> None:
+        super().add(k, t)
+        self._n *= _FORGET_TIME
+        self._t *= _FORGET_TIME
+        if k < self._n.shape[0]:
+            self._n[k] += 1.0
+            self._t[k] += t
+
+    def table(self) -> list[float]:
+        """Predicted seconds of a verify call of each width 0..max_width."""
+        a, b = self.line()
+        return [float(t / n) if n >= self._MIN_SEEN else max(1e-9, a + b * k)
+                for k, (n, t) in enumerate(zip(self._n, self._t))]
+
+
 class AdaptiveGamma:
     def __init__(self, max_gamma: int):
         self.max_gamma = max_gamma
@@ -66,10 +97,11 @@ class AdaptiveGamma:
         self._seen = np.full(_BINS, 2.0)     # [bins]
         self._rounds = 0
         self._draft_time = _LinearTime(proportional=True)  # drafts k -> seconds drafting a round
-        self._target_time = _LinearTime()                   # verify width k -> seconds per target call
+        self._target_time = _WidthTime(max_gamma + 2)       # verify width k -> seconds per target call
         self._prob = 1.0
         self._expected = 1.0
-        self._lines = (1.0, 0.0, 1.0, 0.0)  # this round's (a, b) of the draft and target fits
+        self._draft_line = (1.0, 0.0)                       # this round's (a, b) of the drafting fit
+        self._verify = [1.0] * (max_gamma + 3)              # this round's verify seconds per width
         self._mean_keep = 0.5
 
     # ---------------------------------------------------------------- predictions
@@ -83,7 +115,8 @@ class AdaptiveGamma:
         # Nothing learned changes during a round (update() comes after it), so the fits and the
         # mean keep rate are read once here, not once per drafted token (keep_going is on the
         # draft loop's path).
-        self._lines = (*self._draft_time.line(), *self._target_time.line())
+        self._draft_line = self._draft_time.line()
+        self._verify = self._target_time.table()
         self._mean_keep = float(self._kept.sum() / self._seen.sum())
 
     def keep_going(self, i: int, confidence: float) -> bool:
@@ -94,9 +127,9 @@ class AdaptiveGamma:
         if not self._rounds:               # nothing measured yet: explore the full length
             return True
         gain = self._prob * self._mean_keep  # expected extra tokens from draft i + 1
-        ad, bd, at, bt = self._lines
+        ad, bd = self._draft_line
         d_i, d_next = max(1e-9, ad + bd * i), max(1e-9, ad + bd * (i + 1))          # t_draft(i), (i + 1)
-        t_i, t_next = max(1e-9, at + bt * (i + 1)), max(1e-9, at + bt * (i + 2))    # t_target(i + 1), (i + 2)
+        t_i, t_next = self._verify[i + 1], self._verify[i + 2]                      # t_target(i + 1), (i + 2)
         cost = max(0.0, d_next - d_i) + max(0.0, t_next - t_i)
         spent = d_i + t_i
         return gain * spent > self._expected * cost

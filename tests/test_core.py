@@ -411,3 +411,24 @@ def test_adaptive_target_time_is_extrapolated_from_measured_widths():
     for k in (2, 4, 2, 4):
         flat.add(k, 0.003 - 0.0001 * k)      # noise that looks like a negative slope
     assert flat(12) == pytest.approx(flat(2))  # clamped: a wider call is never predicted cheaper
+
+
+def test_adaptive_verify_time_per_width_where_measured():
+    """A width measured often enough is priced at its own mean (a CPU's GEMM makes some widths
+    steps, not points on a line); other widths come from the line; stale widths fall back to it."""
+    from edgespec.adaptive import _WidthTime
+
+    t = _WidthTime(10)
+    cost = {2: 0.010, 3: 0.011, 4: 0.012, 5: 0.016}         # width 5 is a step above the line
+    for _ in range(10):
+        for k, sec in cost.items():
+            t.add(k, sec)
+    table = t.table()
+    assert table[5] == pytest.approx(0.016)
+    assert table[3] == pytest.approx(0.011)
+    a, b = t.line()
+    assert table[8] == pytest.approx(a + b * 8)              # never measured: the line
+    for _ in range(300):                                     # width 5 not measured for long
+        t.add(2, 0.010)
+        t.add(4, 0.012)
+    assert t.table()[5] == pytest.approx(sum(t.line()[j] * 5 ** j for j in range(2)))
