@@ -49,6 +49,7 @@ edgespec bench "$large3" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4"
 #    the same command again: how much the shared host moves the ratio (it moves plain decoding more)
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-again"
+edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-third"
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-large4-2threads"
 edgespec bench "$large5" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large5"
 edgespec bench "$large4_q" --gammas 3,4,5,6,8,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-target"
