@@ -11,9 +11,9 @@ speculative loop needs after every round that rejects a draft.
 
 The rest of the graph is written directly too (as onnxruntime-genai's model builder does rather
 than traced): packed QKV (and gate/up) MatMuls, rotary embedding inside the attention op, RMSNorm
-as SimplifiedLayerNormalization, with Llama's residual Adds fused into it
-(SkipSimplifiedLayerNormalization). It has a fraction of the nodes of the traced graph, which
-matters for small models, where per-node overhead is a large part of a step.
+as SimplifiedLayerNormalization (GPT-2: LayerNormalization), with the residual Adds fused into
+it (SkipSimplifiedLayerNormalization, SkipLayerNormalization). It has a fraction of the nodes of
+the traced graph, which matters for small models, where per-node overhead is a large part of a step.
 
 Inputs and outputs follow the contract: ``input_ids`` [1, k], ``attention_mask`` [1, P + k]
 (all ones; the graph derives the attention op's seqlens_k = P + k - 1 and total length from it,
@@ -186,6 +186,14 @@ def _gpt2(g: _Graph, config: dict, max_positions: int) -> int:
         return g.op("LayerNormalization", [x, g.weight(name + ".w", s[prefix + ".weight"]), g.weight(name + ".b", s[prefix + ".bias"])],
                     [name], axis=-1, epsilon=eps)
 
+    def add_layer_norm(x: str, bias: np.ndarray, residual: str, prefix: str, name: str) -> tuple[str, str]:
+        """(LayerNorm(residual + x + bias), residual + x + bias) in one node: the projection's bias
+        Add and the residual Add are fused in."""
+        out = g.op("SkipLayerNormalization", [x, residual, g.weight(name + ".w", s[prefix + ".weight"]),
+                                              g.weight(name + ".b", s[prefix + ".bias"]), g.weight(name + ".bias", bias)],
+                   [name, "", "", name + ".sum"], domain="com.microsoft", epsilon=eps)
+        return out[0], out[3]
+
     # Learned absolute positions P..P+k-1, P = total - k: rows [P, total) of the table (a Slice
     # with 1-D bounds from the mask's and the ids' lengths).
     g.seq_len(contract.INPUT_IDS, "new_len")
@@ -193,15 +201,21 @@ def _gpt2(g: _Graph, config: dict, max_positions: int) -> int:
     pos_emb = g.op("Slice", [g.weight("wpe", s["transformer.wpe.weight"]), start, "total_len64.1d", "axis0"], ["pos_emb"])
     tok = g.op("Gather", [g.weight("wte", s["transformer.wte.weight"]), contract.INPUT_IDS], ["tok_emb"])
     x = g.op("Add", [tok, pos_emb], ["h0"])
+    # As in _llama: x is the residual stream, h the normalised copy feeding the next block; the
+    # output projections' biases and the residual Adds are fused into the norms that follow them.
+    h = layer_norm(x, "transformer.h.0.ln_1", "l0.ln1")
     for i in range(layers):
         p = f"transformer.h.{i}."
-        qkv = g.linear(layer_norm(x, p + "ln_1", f"l{i}.ln1"), f"l{i}.qkv", s[p + "attn.c_attn.weight"], s[p + "attn.c_attn.bias"])
+        qkv = g.linear(h, f"l{i}.qkv", s[p + "attn.c_attn.weight"], s[p + "attn.c_attn.bias"])
         attn = g.attention(i, qkv, heads, heads, hidden // heads, rotary=False)
-        x = g.op("Add", [x, g.linear(attn, f"l{i}.o", s[p + "attn.c_proj.weight"], s[p + "attn.c_proj.bias"])], [f"l{i}.resid"])
-        up = g.linear(layer_norm(x, p + "ln_2", f"l{i}.ln2"), f"l{i}.fc", s[p + "mlp.c_fc.weight"], s[p + "mlp.c_fc.bias"])
+        h, x = add_layer_norm(g.linear(attn, f"l{i}.o", s[p + "attn.c_proj.weight"]), s[p + "attn.c_proj.bias"], x,
+                              p + "ln_2", f"l{i}.ln2")
+        up = g.linear(h, f"l{i}.fc", s[p + "mlp.c_fc.weight"], s[p + "mlp.c_fc.bias"])
         act = g.op("FastGelu", [up], [f"l{i}.gelu"], domain="com.microsoft")  # gelu_new: the tanh approximation
-        x = g.op("Add", [x, g.linear(act, f"l{i}.down", s[p + "mlp.c_proj.weight"], s[p + "mlp.c_proj.bias"])], [f"h{i + 1}"])
-    g.op("MatMul", [layer_norm(x, "transformer.ln_f", "final_norm"), g.weight("lm_head", s["lm_head.weight"].T)], [contract.LOGITS])
+        norm_prefix, norm_name = ("transformer.ln_f", "final_norm") if i + 1 == layers else (f"transformer.h.{i + 1}.ln_1", f"l{i + 1}.ln1")
+        h, x = add_layer_norm(g.linear(act, f"l{i}.down", s[p + "mlp.c_proj.weight"]), s[p + "mlp.c_proj.bias"], x,
+                              norm_prefix, norm_name)
+    g.op("MatMul", [h, g.weight("lm_head", s["lm_head.weight"].T)], [contract.LOGITS])
     return int(s["lm_head.weight"].shape[0])
 
 
