@@ -121,6 +121,8 @@ class AdaptiveGamma:
 
     def keep_going(self, i: int, confidence: float) -> bool:
         """After drafting token i with the given confidence: draft token i + 1?"""
+        if i >= self.max_gamma:            # never past its own bound (its verify table ends there)
+            return False
         a = self._keep_prob(confidence)
         self._prob *= a
         self._expected += self._prob

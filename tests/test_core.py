@@ -431,4 +431,17 @@ def test_adaptive_verify_time_per_width_where_measured():
     for _ in range(300):                                     # width 5 not measured for long
         t.add(2, 0.010)
         t.add(4, 0.012)
-    assert t.table()[5] == pytest.approx(sum(t.line()[j] * 5 ** j for j in range(2)))
+    a, b = t.line()
+    assert t.table()[5] == pytest.approx(a + b * 5)
+
+
+def test_adaptive_policy_with_a_smaller_bound_than_the_config_stays_within_it():
+    """A policy passed to the loop drafts at most its own max_gamma, even if the config allows more."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    target, draft = toy_pair(vocab_size=40, order=2, noise=0.2, seed=6, max_length=1000)
+    c = cfg(max_new_tokens=300, gamma=None, max_gamma=8, sampling=GREEDY)
+    plain = generate(target, [1], c, np.random.default_rng(0))
+    ada = generate(target, [1], c, np.random.default_rng(0), draft=draft, policy=AdaptiveGamma(3))
+    assert ada.tokens == plain.tokens
+    assert len(ada.stats.gamma_hist) <= 4 and sum(ada.stats.gamma_hist) > 10
