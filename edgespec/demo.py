@@ -117,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"    tokens/s speculative           {_fmt(row['spec_tokens_per_s'], '.1f')}")
         print(f"    speedup (median, same run)     {_fmt(row['speedup'], '.2f')}x   "
               f"Theorem 3.8 predicts {_fmt(row['predicted_speedup'], '.2f')}x")
+        print(f"    decode speedup (after 1st tok) {_fmt(row['decode_speedup'], '.2f')}x   "
+              f"(prefill and first token: {_fmt(row['plain_ttft_s'] * 1e3, '.1f')} ms plain, "
+              f"{_fmt(row['spec_ttft_s'] * 1e3, '.1f')} ms speculative)")
         if "target_read_reduction" in row:
             print(f"    target bytes read per token    {row['target_bytes_per_token_plain'] / 1e6:.2f} MB plain -> "
                   f"{row['target_bytes_per_token_spec'] / 1e6:.2f} MB speculative "

@@ -80,6 +80,11 @@ class SettingResult:
     ratios: list[float] = field(default_factory=list)         # per repeat: spec / plain, same run
     plain_ttft: list[float] = field(default_factory=list)
     spec_ttft: list[float] = field(default_factory=list)
+    # Decode rate (1 / time per output token after the first): the prompt's prefill and the first
+    # token are the same work with or without a draft, so this is the part speculation can speed up.
+    plain_decode_tps: list[float] = field(default_factory=list)  # per repeat: (tokens - 1) / (s - ttft)
+    spec_decode_tps: list[float] = field(default_factory=list)
+    decode_ratios: list[float] = field(default_factory=list)     # per repeat: spec / plain decode rate
     stats: list[GenerationStats] = field(default_factory=list)  # speculative runs, warm-up excluded
     plain_step: list[float] = field(default_factory=lambda: [0.0, 0])  # plain runs: target step seconds, steps
     reads: dict = field(default_factory=dict)
@@ -129,8 +134,17 @@ class SettingResult:
             "verify_cost_steps": v,
             "predicted_speedup_verify_cost": predicted / v,
             "plain_ttft_s": _med(self.plain_ttft), "spec_ttft_s": _med(self.spec_ttft),
+            "plain_decode_tokens_per_s": _med(self.plain_decode_tps),
+            "spec_decode_tokens_per_s": _med(self.spec_decode_tps),
+            "decode_speedup": _med(self.decode_ratios), "decode_speedup_all": self.decode_ratios,
             **self.reads,
         }
+
+
+def _decode_rate(total: list) -> float:
+    """Tokens after the first per second after the first: [tokens, seconds, ttft, first tokens]."""
+    tokens, seconds, ttft, firsts = total
+    return (tokens - firsts) / (seconds - ttft) if seconds > ttft and tokens > firsts else float("nan")
 
 
 def _med(xs: Sequence[float]) -> float:
@@ -187,11 +201,11 @@ def _run_group(target, draft, prompts, results: list[SettingResult], max_new_tok
     plain_step = [0.0, 0]
     plain_reads = [0, 0]                             # target bytes, tokens
     spec_reads = [[0, 0, 0] for _ in results]        # target bytes, draft bytes, tokens
-    plain_tps, plain_ttft = [], []
+    plain_tps, plain_ttft, plain_dec = [], [], []
     label = results[0].setting.label if len(results) == 1 else f"T={results[0].setting.sampling.temperature:g}, {len(results)} settings"
     for rep in range(warmup + repeats):
         keep = rep >= warmup
-        totals = {m: [0, 0.0, 0.0] for m in modes}  # tokens, seconds, ttft
+        totals = {m: [0, 0.0, 0.0, 0] for m in modes}  # tokens, seconds, ttft, first tokens
         for i, prompt in enumerate(prompts):
             turn = (rep * len(prompts) + i) % len(modes)
             for m in modes[turn:] + modes[:turn]:
@@ -207,6 +221,7 @@ def _run_group(target, draft, prompts, results: list[SettingResult], max_new_tok
                 tot[0] += len(r.tokens)
                 tot[1] += dt
                 tot[2] += r.stats.ttft_s
+                tot[3] += min(1, len(r.tokens))
                 if not keep:
                     continue
                 if m < 0:
@@ -224,15 +239,21 @@ def _run_group(target, draft, prompts, results: list[SettingResult], max_new_tok
             p_tps = totals[-1][0] / totals[-1][1]
             plain_tps.append(p_tps)
             plain_ttft.append(totals[-1][2] / len(prompts))
+            p_dec = _decode_rate(totals[-1])
+            plain_dec.append(p_dec)
             for m, res in enumerate(results):
                 s_tps = totals[m][0] / totals[m][1]
                 res.spec_tps.append(s_tps)
                 res.ratios.append(s_tps / p_tps)
                 res.spec_ttft.append(totals[m][2] / len(prompts))
+                s_dec = _decode_rate(totals[m])
+                res.spec_decode_tps.append(s_dec)
+                res.decode_ratios.append(s_dec / p_dec if p_dec > 0 else float("nan"))
         if progress is not None:
             progress(f"{label}: repeat {rep + 1}/{warmup + repeats}" + ("" if keep else " (warm-up)"))
     for res, (t_bytes, d_bytes, n) in zip(results, spec_reads):
         res.plain_tps, res.plain_ttft, res.plain_step = list(plain_tps), list(plain_ttft), list(plain_step)
+        res.plain_decode_tps = list(plain_dec)
         if plain_reads[1] and n:
             t_plain, t_spec, d_spec = plain_reads[0] / plain_reads[1], t_bytes / n, d_bytes / n
             res.reads = {

@@ -38,7 +38,7 @@ def _f(x: float, spec: str = ".3f") -> str:
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'setting':<34} {'alpha':>6} {'c':>6} {'tok/round':>9} {'(theory)':>8} "
-            f"{'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'[IQR]':>13} {'Thm3.8':>7} {'V':>5} "
+            f"{'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'[IQR]':>13} {'decode':>7} {'Thm3.8':>7} {'V':>5} "
             f"{'Thm3.8/V':>8} {'reads/tok':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -47,11 +47,14 @@ def format_table(rows: list[dict]) -> str:
             f"{r['setting']:<34} {_f(r['alpha'])} {_f(r['c'])} {_f(r['tokens_per_round'], '9.2f')} "
             f"{_f(r['expected_tokens_per_round'], '8.2f')} {_f(r['plain_tokens_per_s'], '11.1f')} "
             f"{_f(r['spec_tokens_per_s'], '10.1f')} {_f(r['speedup'], '7.2f')}x "
-            f"[{_f(iqr[0], '.2f')}-{_f(iqr[1], '.2f')}] {_f(r['predicted_speedup'], '6.2f')}x "
+            f"[{_f(iqr[0], '.2f')}-{_f(iqr[1], '.2f')}] {_f(r.get('decode_speedup', float('nan')), '6.2f')}x "
+            f"{_f(r['predicted_speedup'], '6.2f')}x "
             f"{_f(r.get('verify_cost_steps', float('nan')), '5.2f')} "
             f"{_f(r.get('predicted_speedup_verify_cost', float('nan')), '7.2f')}x "
             f"{_f(r.get('target_read_reduction', float('nan')), '8.2f')}x")
-    notes = ["V: a verify call's time in plain target steps (Theorem 3.8 assumes 1); Thm3.8/V: the prediction "
+    notes = ["speedup: end to end (prefill and first token included); decode: the rate after the first token "
+             "(time per output token), the part a draft can speed up",
+             "V: a verify call's time in plain target steps (Theorem 3.8 assumes 1); Thm3.8/V: the prediction "
              "with that measured cost"]
     return "\n".join(lines + notes)
 

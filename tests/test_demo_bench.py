@@ -91,6 +91,39 @@ def test_settings_run_side_by_side_with_a_shared_plain_run(monkeypatch):
         assert v["all"] == [a / b for a, b in zip(group[2].spec_tps, best.spec_tps)]
 
 
+def test_decode_rate_excludes_the_first_token(monkeypatch):
+    """The decode rate of a repeat is (tokens - first tokens) / (seconds - time to first token),
+    summed over the prompts, for plain and speculative runs alike; decode_speedup is their ratio."""
+    import types
+
+    from edgespec import measure
+    from edgespec.config import SamplingConfig
+    from edgespec.measure import ReadCounter, Setting, run_settings
+    from edgespec.toy import toy_pair
+
+    target, draft = toy_pair(vocab_size=40, order=3, noise=1.0, seed=2, max_length=256)
+    clock = [0.0]
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real = measure.generate
+
+    def timed(tb, prompt, cfg, rng, drafter=None, policy=None):
+        r = real(tb, prompt, cfg, rng, drafter, policy=policy)
+        # a made-up clock: plain runs take 0.1 s per token, speculative 0.04 s; the first token 0.5 s
+        r.stats.ttft_s = 0.5
+        clock[0] += 0.5 + (0.1 if drafter is None else 0.04) * (len(r.tokens) - 1)
+        return r
+
+    monkeypatch.setattr(measure, "generate", timed)
+    res = run_settings(ReadCounter(target, 100, 1), ReadCounter(draft, 10, 1), [[1, 2, 3], [4, 5]],
+                       [Setting(3, SamplingConfig(0.0))], max_new_tokens=10, repeats=2, warmup=1)
+    s = res[0].summary()
+    assert s["plain_decode_tokens_per_s"] == pytest.approx(10.0)
+    assert s["spec_decode_tokens_per_s"] == pytest.approx(25.0)
+    assert s["decode_speedup"] == pytest.approx(2.5)
+    # end to end, the same 0.5 s first token weighs on both: 20 tokens in 1.0 + 1.8 s against 1.0 + 0.72 s
+    assert s["speedup"] == pytest.approx(2.8 / 1.72)
+
+
 def test_verify_cost_is_verify_call_over_plain_step():
     from edgespec.config import SamplingConfig
     from edgespec.loop import GenerationStats
