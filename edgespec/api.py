@@ -29,7 +29,7 @@ from . import contract
 from .adaptive import AdaptiveGamma
 from .bundle import BundleManifest, load_bundle
 from .config import GenerationConfig, SamplingConfig
-from .drafters import NgramDrafter
+from .drafters import LookaheadDrafter, NgramDrafter
 from .errors import BundleError, EngineBusyError, InvalidArgumentError, PromptTooLongError, TokenizerMismatchError
 
 DEFAULT_MAX_GAMMA = 8
@@ -205,6 +205,7 @@ class Engine:
         # learns (keep rate by draft confidence, call times) is a property of the pair and the
         # machine, so later calls start from it instead of from scratch.
         self._policies: dict[tuple, AdaptiveGamma] = {}
+        self._lookahead: LookaheadDrafter | None = None
 
     @property
     def busy_timeout(self) -> float | None:
@@ -277,8 +278,11 @@ class Engine:
                  drafter: str = "model"):
         """Generate from text or token ids.
 
-        ``drafter="model"`` drafts with the bundle's draft model; ``drafter="ngram"`` drafts by prompt
-        lookup (continuations of earlier text; no second model, still exact).
+        ``drafter="model"`` drafts with the bundle's draft model; ``drafter="lookahead"`` too, and
+        keeps drafting on a second thread while the target verifies, so rounds that keep every draft
+        start with their drafts made (worth it where the target runs on fewer cores than the machine
+        has); ``drafter="ngram"`` drafts by prompt lookup (continuations of earlier text; no second
+        model). All three are exact.
 
         ``temperature=0`` is greedy; ``gamma=None`` lets edgespec choose the draft length per round
         (the policy keeps what it learned for later calls with the same sampling settings; its
@@ -293,8 +297,8 @@ class Engine:
 
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise InvalidArgumentError(f"seed must be a non-negative integer or None; got {seed!r}")
-        if drafter not in ("model", "ngram"):
-            raise InvalidArgumentError(f"drafter must be 'model' or 'ngram' (prompt lookup); got {drafter!r}")
+        if drafter not in ("model", "lookahead", "ngram"):
+            raise InvalidArgumentError(f"drafter must be 'model', 'lookahead' or 'ngram' (prompt lookup); got {drafter!r}")
         ngram = bool(use_draft) and drafter == "ngram"
         use_draft = bool(use_draft) and self.draft is not None and not ngram  # the draft model takes part
         max_gamma = max(DEFAULT_MAX_GAMMA, gamma) if isinstance(gamma, int) and not isinstance(gamma, bool) else DEFAULT_MAX_GAMMA
@@ -328,6 +332,10 @@ class Engine:
         self._check_lengths(len(ids), max_new_tokens, use_draft)
         rng = np.random.default_rng(seed)
         draft = NgramDrafter() if ngram else self.draft if use_draft else None
+        if draft is not None and drafter == "lookahead":
+            if self._lookahead is None:  # one per engine: it owns the worker thread
+                self._lookahead = LookaheadDrafter(self.draft)
+            draft = self._lookahead
         policy = None
         if gamma is None and draft is not None:
             key = (config.sampling, lenience, drafter, max_gamma)

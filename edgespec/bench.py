@@ -83,7 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--lenience", default="1", help="comma list of l in (0, 1] (Appendix A.5; 1 = exact)")
-    p.add_argument("--draft", default="model", help="comma list of drafters: model, ngram (default model)")
+    p.add_argument("--draft", default="model", help="comma list of drafters: model, ngram, lookahead (the draft model drafting on while "
+                   "the target verifies, on a second thread) (default model)")
     p.add_argument("--prompts", type=Path, default=None,
                    help="text file, prompts separated by lines holding only '---' (default: built-in held-out code prompts)")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -117,11 +118,11 @@ def run(args: argparse.Namespace) -> int:
                       args.top_k, args.top_p, _parse_list(args.lenience, float, "lenience"),
                       _parse_list(args.draft, str, "draft"))
     for s in grid:
-        if s.draft not in ("model", "ngram"):
-            raise InvalidArgumentError(f"--draft takes 'model' and/or 'ngram'; got {s.draft!r}")
+        if s.draft not in ("model", "ngram", "lookahead"):
+            raise InvalidArgumentError(f"--draft takes model, ngram and/or lookahead; got {s.draft!r}")
     spin = {"on": True, "off": False, "default": None}[args.spin]
     ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), args.threads, args.draft_threads, spin)
-    if ob.draft is None and any(s.draft == "model" for s in grid):
+    if ob.draft is None and any(s.draft != "ngram" for s in grid):
         raise InvalidArgumentError(f"{args.bundle} has no draft model; export one with --draft, or use --draft ngram")
     prompts = [ob.tokenizer.encode(p).ids for p in read_prompts(args.prompts)]
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))

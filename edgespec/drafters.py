@@ -8,6 +8,9 @@ chosen from the draft's own information keeps the round exact (Appendix A.1 hold
 fixed before the target is consulted)."""
 from __future__ import annotations
 
+import queue
+import threading
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -40,8 +43,14 @@ class ModelDrafter:
                 rng: np.random.Generator, vocab: int,
                 keep_going: KeepGoing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Draw up to gamma tokens autoregressively from q (the processed draft distribution)."""
+        feed = np.asarray(generated[self.backend.length - self._base:], dtype=np.int64)  # [1 or 2] unseen tokens
+        return self._draft(feed, gamma, sampling, rng.random, vocab, keep_going)
+
+    def _draft(self, feed: np.ndarray, gamma: int, sampling: SamplingConfig, uniform: Callable[[], float],
+               vocab: int, keep_going: KeepGoing | None = None,
+               stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Feed the unseen tokens, then draft up to gamma tokens; ``uniform()`` gives each draw's u."""
         b = self.backend
-        feed = np.asarray(generated[b.length - self._base:], dtype=np.int64)  # [1 or 2] unseen tokens
         ids = np.empty(gamma, dtype=np.int64)                                  # [gamma]
         q = np.empty((gamma, vocab))                                           # [gamma, V]
         conf = np.zeros(gamma)                                                 # [gamma] q_i(x_i)
@@ -55,7 +64,7 @@ class ModelDrafter:
                 ids[g] = argmax_token(logits[0], "draft model")
                 q[g, ids[g]] = 1.0
             else:
-                ids[g] = sample_row(logits[0], sampling, rng.random(), q[g], "draft model")
+                ids[g] = sample_row(logits[0], sampling, uniform(), q[g], "draft model")
             # confidence (only for a length policy): the probability the draft gave its token; for
             # greedy (q one-hot) the draft's softmax probability of its argmax, still a sureness signal.
             if keep_going is not None:
@@ -64,11 +73,130 @@ class ModelDrafter:
             g += 1
             if keep_going is not None and g < gamma and not keep_going(g, conf[g - 1]):
                 break
+            if stop is not None and stop():
+                break
         return ids[:g], q[:g], conf[:g]
 
     def rollback(self, kept: int) -> None:
         """Keep only the first ``kept`` generated tokens (the draft may hold fewer already)."""
         self.backend.rewind_to(min(self.backend.length, self._base + kept))
+
+
+class LookaheadDrafter(ModelDrafter):
+    """A draft model that keeps drafting on a second thread while the target verifies.
+
+    When a round's drafts x_1..x_g are proposed, a worker thread feeds x_g to the draft and drafts
+    y_1..y_k on from there while the target's verify call runs (ONNX Runtime releases the GIL, so
+    with the target on one core the worker uses another). If the round keeps all g drafts and its
+    last token (the bonus) is y_1, the next round's drafts are y_2..y_k, already made: their
+    drafting cost no wall time. Otherwise they are dropped and the draft rewinds (a position move).
+    This is the post-verify half of PEARL (Liu et al., 2024).
+
+    Exactness: y_2.. were drawn from q given the prefix ending in y_1 = the committed bonus, with
+    uniforms drawn from the run's generator before the worker started, so they are distributed as
+    fresh drafts would be; whether they are used depends only on the committed tokens. The target's
+    acceptance test is unchanged (Appendix A.1). At temperature 0 the bonus is the target's argmax
+    and y_1 the draft's, so reuse happens exactly when the draft's next guess would be kept.
+    """
+
+    def __init__(self, backend: Backend):
+        super().__init__(backend)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._busy = False
+        self._cancel = False
+        self._result: tuple | BaseException | None = None
+        self._at = 0                         # committed tokens the running job's drafts assume
+        self._ahead: tuple | None = None     # a finished job: (assumed count, ids [k], q [k, V], conf [k])
+        self._thread: threading.Thread | None = None
+        self.reused_rounds = 0               # rounds whose drafts were made during the previous verify
+
+    def start(self, prompt: np.ndarray) -> None:
+        self._join()
+        self._ahead = None
+        super().start(prompt)
+
+    def propose(self, generated: list[int], gamma: int, sampling: SamplingConfig,
+                rng: np.random.Generator, vocab: int,
+                keep_going: KeepGoing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self._join()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and len(generated) == ahead[0] + 1 and generated[-1] == ahead[1][0] and ahead[1].shape[0] > 1:
+            # the bonus is y_1: y_2.. are this round's drafts (the policy may take fewer)
+            ids, q, conf = ahead[1][1:gamma + 1], ahead[2][1:gamma + 1], ahead[3][1:gamma + 1]  # [m], [m, V], [m]
+            m = ids.shape[0]
+            if keep_going is not None:
+                m = next((i for i in range(1, m) if not keep_going(i, conf[i - 1])), m)
+            ids, q, conf = ids[:m], q[:m], conf[:m]
+            self.reused_rounds += 1
+            # the cache holds the prefix and y_1..y_{k-1}: keep what drafting ids[:m] would have fed
+            self.backend.rewind_to(self._base + len(generated) + m - 1)
+        else:
+            self.backend.rewind_to(min(self.backend.length, self._base + len(generated) - 1))
+            ids, q, conf = super().propose(generated, gamma, sampling, rng, vocab, keep_going)
+        k = min(gamma + 1, self.backend.max_length - self.backend.length - 1)
+        if ids.shape[0] and k > 0:
+            # Uniforms drawn here, in the main thread, so the run's generator is consumed the same
+            # way whatever the worker gets done before it is stopped.
+            us = iter(rng.random(k).tolist()) if not sampling.greedy else None
+            self._launch((ids[-1:], k, sampling, us, vocab), len(generated) + ids.shape[0])
+        return ids, q, conf
+
+    def next_draft(self) -> tuple[int, np.ndarray] | None:
+        """(y_1, q [V]) of the drafts made while the target verified (the round kept every draft)."""
+        self._join()
+        a = self._ahead
+        return (int(a[1][0]), a[2][0]) if a is not None and a[1].shape[0] else None
+
+    def rollback(self, kept: int) -> None:
+        if self._busy and kept < self._at:   # a draft was rejected: y_1.. assume a prefix that did not happen
+            self._cancel = True
+        self._join()
+        if self._ahead is not None and kept == self._ahead[0]:
+            return                           # every draft kept: y_1.. stand if the bonus is y_1 (next propose)
+        self._ahead = None
+        super().rollback(kept)
+
+    # ---------------------------------------------------------------- the worker
+    def _launch(self, job: tuple, at: int) -> None:
+        if self._thread is None:
+            # The thread holds only a weak reference, and stops once the drafter is collected.
+            self._thread = threading.Thread(target=_lookahead_worker, name="edgespec-lookahead", daemon=True,
+                                            args=(self._jobs, self._done, weakref.ref(self)))
+            self._thread.start()
+            weakref.finalize(self, self._jobs.put, None)
+        self._at, self._cancel, self._busy = at, False, True
+        self._done.clear()
+        self._jobs.put(job)
+
+    def _join(self) -> None:
+        """Wait for the worker; its drafts become ``_ahead`` unless it was stopped."""
+        if not self._busy:
+            return
+        self._done.wait()
+        self._busy = False
+        result, self._result = self._result, None
+        if isinstance(result, BaseException):
+            self._ahead = None
+            raise result
+        self._ahead = None if self._cancel else (self._at, *result)
+
+
+def _lookahead_worker(jobs: queue.SimpleQueue, done: threading.Event, ref: weakref.ref) -> None:
+    always = lambda i, c: True  # noqa: E731  (confidences are needed by the next round's policy)
+    while True:
+        job = jobs.get()
+        me = ref() if job is not None else None
+        if me is None:
+            return
+        feed, k, sampling, us, vocab = job
+        try:
+            me._result = me._draft(feed, k, sampling, us.__next__ if us is not None else None, vocab,
+                                   always, stop=lambda: me._cancel)
+        except BaseException as e:  # handed to the main thread by _join
+            me._result = e
+        del me
+        done.set()
 
 
 class NgramDrafter:

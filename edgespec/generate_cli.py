@@ -23,8 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lenience", type=float, default=1.0, help="1.0 = exact (Appendix A.5 of the paper)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-draft", action="store_true", help="plain decoding with the target only")
-    parser.add_argument("--draft", choices=("model", "ngram"), default="model",
-                        help="model: the bundle's draft model (default); ngram: prompt lookup, no second model")
+    parser.add_argument("--draft", choices=("model", "lookahead", "ngram"), default="model",
+                        help="model: the bundle's draft model (default); lookahead: the draft model, drafting on "
+                             "on a second thread while the target verifies (for a target on fewer threads than "
+                             "cores); ngram: prompt lookup, no second model")
     parser.add_argument("--provider", default="cpu", help="comma-separated execution providers for the target, in order (default cpu)")
     parser.add_argument("--draft-provider", default=None, help="providers for the draft (default: --provider)")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads for the target (0 = ORT default)")
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     spin = False if args.no_spin else None
     engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=args.threads,
                   draft_threads=args.draft_threads, spinning=spin,
-                  load_draft=not args.no_draft and args.draft == "model",
+                  load_draft=not args.no_draft and args.draft != "ngram",
                   runtime=args.runtime, platform=args.platform)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   gamma=_gamma(args.gamma), lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft,

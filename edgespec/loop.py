@@ -148,7 +148,7 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
         verdict = greedy_verdict(x, a)
     else:
         p = process_logits(logits, sampling, "target model")                    # [g+1, V]
-        verdict = speculative_sample(x, q, p, rng, config.lenience)
+        verdict = speculative_sample(x, q, p, rng, config.lenience, getattr(drafter, "next_draft", None))
     n = verdict.n_accepted
     examined = min(n + 1, g)  # positions whose prefix the target agreed with
     # beta = sum_x min(p, q) per examined position; with p one-hot on a that is q(a).

@@ -137,6 +137,7 @@ class SettingResult:
             "plain_decode_tokens_per_s": _med(self.plain_decode_tps),
             "spec_decode_tokens_per_s": _med(self.spec_decode_tps),
             "decode_speedup": _med(self.decode_ratios), "decode_speedup_all": self.decode_ratios,
+            "decode_speedup_iqr": _iqr(self.decode_ratios),
             **self.reads,
         }
 
@@ -188,7 +189,7 @@ def run_settings(target: ReadCounter, draft: ReadCounter | None, prompts: Sequen
 
 def _run_group(target, draft, prompts, results: list[SettingResult], max_new_tokens, repeats, warmup,
                eos_token_ids, seed, progress, vocab_size) -> None:
-    from .drafters import NgramDrafter
+    from .drafters import LookaheadDrafter, NgramDrafter
 
     cfgs = [GenerationConfig(max_new_tokens=max_new_tokens, sampling=r.setting.sampling, gamma=r.setting.gamma,
                              lenience=r.setting.lenience, eos_token_ids=eos_token_ids,
@@ -196,7 +197,8 @@ def _run_group(target, draft, prompts, results: list[SettingResult], max_new_tok
     # One adaptive policy per setting for the whole run, as an Engine keeps one across calls: the
     # warm-up repeat is also its first lesson.
     policies = [AdaptiveGamma(c.max_gamma) if r.setting.gamma is None else None for r, c in zip(results, cfgs)]
-    drafters = [NgramDrafter() if r.setting.draft == "ngram" else draft for r in results]
+    drafters = [NgramDrafter() if r.setting.draft == "ngram" else LookaheadDrafter(draft) if r.setting.draft == "lookahead"
+                else draft for r in results]
     modes = [-1, *range(len(results))]  # -1: plain decoding
     plain_step = [0.0, 0]
     plain_reads = [0, 0]                             # target bytes, tokens
@@ -233,7 +235,7 @@ def _run_group(target, draft, prompts, results: list[SettingResult], max_new_tok
                     results[m].stats.append(r.stats)
                     reads = spec_reads[m]
                     reads[0] += target.weight_read + target.kv_read
-                    reads[1] += (draft.weight_read + draft.kv_read) if drafters[m] is draft and draft else 0
+                    reads[1] += (draft.weight_read + draft.kv_read) if results[m].setting.draft != "ngram" and draft else 0
                     reads[2] += len(r.tokens)
         if keep:
             p_tps = totals[-1][0] / totals[-1][1]

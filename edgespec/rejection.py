@@ -13,6 +13,7 @@ output is no longer distributed as p.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -29,11 +30,15 @@ class Verdict:
 
 
 def speculative_sample(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
-                       rng: np.random.Generator, lenience: float = 1.0) -> Verdict:
+                       rng: np.random.Generator, lenience: float = 1.0,
+                       next_draft: Callable[[], tuple[int, np.ndarray] | None] | None = None) -> Verdict:
     """Run the acceptance test of one speculative round.
 
     draft_ids: [g] int, q: [g, V] processed draft distributions, p: [g + 1, V] processed target
     distributions; g may be 0 (then the round is a plain target step and the token is a bonus draw).
+    ``next_draft()``, called only when every draft is kept, may return a further draft (y, q_y [V])
+    with y ~ q_y, drawn independently of this round's test: the bonus is then decided by testing y
+    against p_{g+1} instead of a direct draw from it.
     """
     g = draft_ids.shape[0]
     rows = np.arange(g)                                           # [g]
@@ -43,13 +48,28 @@ def speculative_sample(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
     # r < p / (l q) without dividing: q(x) > 0 since x was drawn from q; p(x) = 0 never keeps.
     keep = r * (lenience * qx) < px                               # [g]
     n = g if keep.all() else int(np.argmin(keep))
-    if n == g:
+    if n < g:
+        return Verdict(n, _recover(p[n], q[n], lenience, rng), RECOVERED)
+    extra = next_draft() if next_draft is not None else None
+    if extra is None:
         return Verdict(n, sample_index(p[g], rng.random()), BONUS)
-    residual = np.maximum(p[n] - lenience * q[n], 0.0)            # [V] max(0, p - l q)
+    # A one-position round on the bonus: keep y with probability min(1, p(y) / (l q(y))), else draw
+    # from norm(max(0, p - l q)); at l = 1 the token is distributed as p_{g+1}, like the direct draw
+    # (Appendix A.1 with gamma = 1), and it is y as often as beta allows, which is what lets a
+    # LookaheadDrafter reuse the drafts it made after y.
+    y, qy = extra                                                 # int, [V]
+    if rng.random() * (lenience * qy[y]) < p[g, y]:
+        return Verdict(n, int(y), BONUS)
+    return Verdict(n, _recover(p[g], qy, lenience, rng), BONUS)
+
+
+def _recover(p: np.ndarray, q: np.ndarray, lenience: float, rng: np.random.Generator) -> int:
+    """Draw from norm(max(0, p - l q)) (p, q: [V]), the correction after a rejection."""
+    residual = np.maximum(p - lenience * q, 0.0)                  # [V] max(0, p - l q)
     if not residual.sum() > 0.0:
         # Only reachable through rounding when p == q (a rejection then has probability 0).
-        residual = p[n]
-    return Verdict(n, sample_index(residual, rng.random()), RECOVERED)
+        residual = p
+    return sample_index(residual, rng.random())
 
 
 def greedy_verdict(draft_ids: np.ndarray, target_ids: np.ndarray) -> Verdict:

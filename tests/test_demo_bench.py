@@ -50,6 +50,19 @@ def test_bench_writes_table_json_and_plots(tiny_bundle, tmp_path, capsys):
     assert "adaptive gamma / best static gamma" in out
 
 
+def test_bench_lookahead_drafter_side_by_side(tiny_bundle, tmp_path, capsys):
+    """--draft model,lookahead: both drafters measured in one run; draft reads counted for both;
+    a bad drafter name is a clean error."""
+    assert main(["bench", str(tiny_bundle("llama")), "--gammas", "3", "--temperatures", "0", "--draft", "model,lookahead",
+                 "--repeats", "1", "--max-new-tokens", "10", "--quiet", "--out", str(tmp_path / "o")]) == 0
+    data = json.loads((tmp_path / "o" / "bench.json").read_text())
+    assert [r["draft"] for r in data["results"]] == ["model", "lookahead"]
+    assert all(r["draft_bytes_per_token_spec"] > 0 for r in data["results"])
+    assert "lookahead gamma=3 T=0" in capsys.readouterr().out
+    assert main(["bench", str(tiny_bundle("llama")), "--draft", "model,ahead"]) == 2
+    assert "--draft takes" in capsys.readouterr().err
+
+
 def test_settings_run_side_by_side_with_a_shared_plain_run(monkeypatch):
     """run_settings: per prompt, one plain run and every setting of the same sampling back to
     back, the order rotating; one plain tokens/s per repeat shared by the group; ratios same-run."""
@@ -190,3 +203,27 @@ def test_adaptive_bound_replays_a_greedy_trace(tiny_checkpoints, tmp_path):
     data = json.loads((out / "adaptive_bound.json").read_text())
     assert data["best_static_gamma"] in range(1, 11)
     assert all(np.isfinite(v) and v > 0 for v in data["policies"].values())
+
+
+def test_acceptance_signals_binned_r2_and_collect(tiny_bundle):
+    """benchmarks/acceptance_signals.py: the binned R^2 is ~1 for a signal that determines the keep
+    probability and ~0 for one independent of it; on a real bundle every a(x) is a probability."""
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    import edgespec
+
+    spec = importlib.util.spec_from_file_location("acceptance_signals",
+                                                  Path(__file__).parents[1] / "benchmarks" / "acceptance_signals.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = np.random.default_rng(0)
+    s = rng.random(20000)
+    assert mod.binned_r2(np.floor(s * 10) / 10, s)[0] > 0.99
+    assert abs(mod.binned_r2(rng.random(20000), s)[0]) < 0.01
+    eng = edgespec.load(tiny_bundle("llama"), threads=1)
+    data = mod.collect(eng, [[5, 9, 13], [7, 2]], 12, 1.0, 3, 0)
+    assert 0 < data["a"].size <= 2 * 12 * 3 and data["a"].size % 3 == 0 and ((data["a"] >= 0) & (data["a"] <= 1)).all()
+    assert ((data["q_x"] > 0) & (data["q_x"] <= data["max_q"] + 1e-12)).all()

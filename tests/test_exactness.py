@@ -7,7 +7,7 @@ import pytest
 
 from edgespec import loop as loop_mod
 from edgespec.config import GenerationConfig, SamplingConfig
-from edgespec.drafters import ModelDrafter, NgramDrafter
+from edgespec.drafters import LookaheadDrafter, ModelDrafter, NgramDrafter
 from edgespec.loop import generate
 from edgespec.rejection import BONUS, RECOVERED, Verdict
 from edgespec.sampling import process_logits, sample_index
@@ -27,15 +27,17 @@ def make_pair(noise: float = 2.0):
 
 
 def sample_outputs(gamma: int, sampling: SamplingConfig, n: int, draft_factory=ModelDrafter,
-                   seed: int = 0, lenience: float = 1.0, adaptive: bool = False):
-    """Outputs of length gamma + 2: token 1 comes from the prefill, tokens 2..gamma+2 from the
-    first round (token gamma+2 is the bonus when every draft is kept), later rounds fill the rest."""
+                   seed: int = 0, lenience: float = 1.0, adaptive: bool = False, length: int | None = None):
+    """Outputs of length gamma + 2 (or ``length``): token 1 comes from the prefill, tokens
+    2..gamma+2 from the first round (token gamma+2 is the bonus when every draft is kept), later
+    rounds fill the rest."""
     target, draft = make_pair()
     tb, db = ToyBackend(target, 64), ToyBackend(draft, 64)
-    cfg = GenerationConfig(max_new_tokens=gamma + 2, gamma=None if adaptive else gamma,
+    length = length or gamma + 2
+    cfg = GenerationConfig(max_new_tokens=length, gamma=None if adaptive else gamma,
                            max_gamma=max(gamma, 1), sampling=sampling, lenience=lenience)
     rng = np.random.default_rng(seed)
-    outs = np.empty((n, gamma + 2), dtype=np.int64)
+    outs = np.empty((n, length), dtype=np.int64)
     first_round = np.zeros(gamma + 1, dtype=np.int64)  # accepted-count histogram of round 1
     kinds = set()
     for i in range(n):
@@ -106,16 +108,70 @@ def test_adaptive_gamma_is_exact():
     assert_matches_target(target, outs, sampling, "adaptive gamma")
 
 
+def _shared(cls):
+    """One drafter for every sample, as an Engine keeps one (a LookaheadDrafter owns a thread)."""
+    made = []
+
+    def factory(db):
+        if not made:
+            made.append(cls(db))
+        return made[0]
+    return factory
+
+
+@pytest.mark.parametrize("sampling,adaptive", [(SamplingConfig(1.0), False), (SamplingConfig(0.6, top_k=3), True)],
+                         ids=["T1", "T0.6-topk3-adaptive"])
+def test_lookahead_drafter_is_exact(sampling, adaptive):
+    """Drafts made while the target verified are reused when the round's last token is the one
+    they assumed; outputs of 7 tokens span several rounds, so reused rounds are in the sample."""
+    factory = _shared(LookaheadDrafter)
+    target, outs, _, kinds = sample_outputs(2, sampling, N_SAMPLES, factory, seed=13, adaptive=adaptive, length=7)
+    assert factory(None).reused_rounds > N_SAMPLES // 10, factory(None).reused_rounds
+    assert {"accepted", "recovered", "bonus"} <= kinds
+    assert_matches_target(target, outs, sampling, "lookahead drafter")
+
+
+class _StaleQ(LookaheadDrafter):
+    """Mutant: reused drafts are reported with the q row one position early (y_2 with y_1's q).
+    (Reusing y_2.. after a bonus other than y_1 would not be a mutant: any proposal drawn
+    independently of the target's uniforms and reported with its own q is exact, only less often
+    kept.)"""
+
+    def propose(self, generated, gamma, sampling, rng, vocab, keep_going=None):
+        self._join()
+        if self._ahead is not None and self._ahead[2].shape[0] > 1:
+            self._ahead[2][1:] = self._ahead[2][:-1].copy()
+        return super().propose(generated, gamma, sampling, rng, vocab, keep_going)
+
+
+class _BonusIsNextDraft(LookaheadDrafter):
+    """Mutant: the bonus is y_1 without the test (q reported as 0 there, so the test always keeps
+    y_1 where p(y_1) > 0). (Reporting q one-hot on y_1 would not be a mutant: like prompt lookup,
+    a one-hot proposal is exact for any token chosen independently of the target's uniforms.)"""
+
+    def next_draft(self):
+        got = super().next_draft()
+        return None if got is None else (got[0], np.zeros_like(got[1]))
+
+
+@pytest.mark.parametrize("mutant", [_StaleQ, _BonusIsNextDraft], ids=["stale-q", "bonus-is-next-draft"])
+def test_lookahead_mutants_are_caught(mutant):
+    sampling = SamplingConfig(1.0)
+    target, outs, _, _ = sample_outputs(2, sampling, N_MUTANT, _shared(mutant), seed=14, length=7)
+    with pytest.raises(AssertionError, match="differs from the target"):
+        assert_matches_target(target, outs, sampling, mutant.__name__)
+
+
 # ------------------------------------------------------------------------------------ mutants
 N_MUTANT = 20_000
 
 
-def _always_accept(draft_ids, q, p, rng, lenience=1.0):
+def _always_accept(draft_ids, q, p, rng, lenience=1.0, next_draft=None):
     g = len(draft_ids)
     return Verdict(g, sample_index(p[g], rng.random()), BONUS)
 
 
-def _residual_from_p(draft_ids, q, p, rng, lenience=1.0):
+def _residual_from_p(draft_ids, q, p, rng, lenience=1.0, next_draft=None):
     g = len(draft_ids)
     r = rng.random(g)
     keep = r * q[np.arange(g), draft_ids] < p[np.arange(g), draft_ids]
