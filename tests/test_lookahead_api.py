@@ -45,3 +45,46 @@ def test_lookahead_stream_matches_and_cli(tiny_bundle, capsys):
     assert main(["generate", str(bundle), "--prompt", "the cat sat", "--temperature", "0",
                  "--max-new-tokens", "12", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ids"] == out["ids"]
+
+
+def test_lookahead_errors_reach_the_caller_and_the_engine_recovers(tiny_bundle):
+    """A draft failure inside the worker thread is raised in the caller's thread (typed), and an
+    interrupt during a verify call leaves the engine usable: the next call gives a fresh run's
+    tokens."""
+    import numpy as np
+
+    from edgespec.errors import NonFiniteLogitsError
+
+    bundle = tiny_bundle("gpt2")
+    kw = dict(max_new_tokens=30, temperature=0.9, gamma=3, drafter="lookahead", seed=5)
+    fresh = load(bundle, threads=1).generate([5, 9, 4], **kw).ids
+    eng = load(bundle, threads=1)
+    real_draft, calls = eng.draft.extend, []
+
+    def nan_later(ids):  # the worker's third call, and only it, returns NaN logits
+        out = real_draft(ids)
+        if threading.current_thread().name == "edgespec-lookahead":
+            calls.append(1)
+            if len(calls) == 3:
+                return np.full_like(out, np.nan)
+        return out
+
+    eng.draft.extend = nan_later
+    with pytest.raises(NonFiniteLogitsError, match="draft model"):
+        eng.generate([5, 9, 4], **kw)
+    del eng.draft.extend
+    assert eng.generate([5, 9, 4], **kw).ids == fresh
+
+    real_target, n = eng.target.extend, []
+
+    def interrupted(ids):
+        n.append(1)
+        if len(n) == 3:
+            raise KeyboardInterrupt
+        return real_target(ids)
+
+    eng.target.extend = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate([5, 9, 4], **kw)
+    del eng.target.extend
+    assert eng.generate([5, 9, 4], **kw).ids == fresh
