@@ -41,6 +41,9 @@ def test_greedy_identical_across_runtimes(xla_bundle, arch):
         a = onnx.generate(prompt, max_new_tokens=20, temperature=0.0, gamma=gamma, seed=0)
         b = xla.generate(prompt, max_new_tokens=20, temperature=0.0, gamma=gamma, seed=0)
         assert a.ids == b.ids, f"{arch} gamma={gamma}: onnx {a.ids} vs xla {b.ids}"
+        # the lookahead drafter's worker thread drives the XLA draft while the XLA target verifies
+        c = xla.generate(prompt, max_new_tokens=20, temperature=0.0, gamma=gamma, drafter="lookahead")
+        assert c.ids == a.ids, f"{arch} gamma={gamma}: lookahead on xla {c.ids}"
     plain = xla.generate(prompt, max_new_tokens=20, temperature=0.0, use_draft=False)
     assert plain.ids == a.ids
     # the models themselves: logits of a prefill and a 3-token extend agree closely
