@@ -198,6 +198,9 @@ def main() -> int:
                                                              seed=s, use_draft=False).ids),
         "edgespec speculative": lambda ids, t, s: len(eng.generate(ids, max_new_tokens=args.max_new_tokens,
                                                                    temperature=t, seed=s, gamma=args.gamma).ids),
+        # the draft keeps drafting on another thread while the target verifies
+        "edgespec lookahead": lambda ids, t, s: len(eng.generate(ids, max_new_tokens=args.max_new_tokens, temperature=t,
+                                                                 seed=s, gamma=args.gamma, drafter="lookahead").ids),
     }
     if hf is not None:
         systems["transformers plain"] = lambda ids, t, s: hf(ids, args.max_new_tokens, t, False, s, args.gamma)
