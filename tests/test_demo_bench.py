@@ -21,7 +21,8 @@ def test_demo_end_to_end_on_tiny_preset(tmp_path, monkeypatch, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     for needle in ("alpha (E[sum min(p, q)])", "c (draft step / target step)", "tokens/s plain",
-                   "tokens/s speculative", "Theorem 3.8 predicts", "target bytes read per token", "hardware counters"):
+                   "tokens/s speculative", "Theorem 3.8 predicts", "decode speedup (after 1st tok)",
+                   "target bytes read per token", "hardware counters"):
         assert needle in out, needle
     # second run reuses the cached pair and bundle
     assert main(args) == 0
