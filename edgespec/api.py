@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -30,7 +31,8 @@ from .adaptive import AdaptiveGamma
 from .bundle import BundleManifest, load_bundle
 from .config import GenerationConfig, SamplingConfig
 from .drafters import LookaheadDrafter, NgramDrafter
-from .errors import BundleError, EngineBusyError, InvalidArgumentError, PromptTooLongError, TokenizerMismatchError
+from .errors import (BundleError, EdgeSpecWarning, EngineBusyError, InvalidArgumentError, PromptTooLongError,
+                     TokenizerMismatchError)
 
 DEFAULT_MAX_GAMMA = 8
 
@@ -206,6 +208,7 @@ class Engine:
         # machine, so later calls start from it instead of from scratch.
         self._policies: dict[tuple, AdaptiveGamma] = {}
         self._lookahead: LookaheadDrafter | None = None
+        self._target_threads: int | None = None   # ONNX Runtime intra-op threads of the target (0: ORT's default)
 
     @property
     def busy_timeout(self) -> float | None:
@@ -335,6 +338,7 @@ class Engine:
         if draft is not None and drafter == "lookahead":
             if self._lookahead is None:  # one per engine: it owns the worker thread
                 self._lookahead = LookaheadDrafter(self.draft)
+                _warn_if_no_spare_core(self._target_threads)
             draft = self._lookahead
         policy = None
         if gamma is None and draft is not None:
@@ -368,6 +372,19 @@ class Engine:
         if self.draft is not None:
             self.draft.free()
 
+
+
+def _warn_if_no_spare_core(threads: int | None) -> None:
+    """The lookahead drafter's worker needs a core the target leaves free."""
+    if threads is None:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads == 0 or threads >= cores:
+        warnings.warn(
+            f"drafter='lookahead' with the target on {'all' if threads == 0 else threads} of {cores} cores: the draft's "
+            f"thread competes with the target's (11% slower than drafter='model' on the 2-core benchmark machine); "
+            f"give the target fewer threads (threads={max(1, cores - 1)}, CLI --threads {max(1, cores - 1)}) or use "
+            "drafter='model'", EdgeSpecWarning, stacklevel=3)
 
 def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,
          threads: int = 0, draft_threads: int | None = 1, spinning: bool | None = None,
@@ -423,7 +440,9 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     target = open_model(tm, target_cfg)
     if load_draft and manifest.draft is not None:
         draft = open_model(manifest.draft, draft_cfg)
-    return Engine(root, manifest, target, draft, tokenizer)
+    engine = Engine(root, manifest, target, draft, tokenizer)
+    engine._target_threads = threads if runtime == "onnx" else None
+    return engine
 
 
 def _check_same_tokenizer(root: Path, manifest: BundleManifest) -> None:

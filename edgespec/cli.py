@@ -7,6 +7,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 
 from .errors import EdgeSpecError
 
@@ -42,6 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     module = importlib.import_module(COMMANDS[args.command][0])
+
+    def show(message, category, filename, lineno, file=None, line=None):  # one line, no source location
+        print(f"edgespec {args.command}: warning: {message}", file=sys.stderr)
+
+    warnings.showwarning = show
     try:
         return int(module.run(args) or 0)
     except EdgeSpecError as exc:

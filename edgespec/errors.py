@@ -10,6 +10,12 @@ class EdgeSpecError(Exception):
     exit_code = 2
 
 
+class EdgeSpecWarning(UserWarning):
+    """A setting that works but is likely slower than the alternative the message names.
+
+    The CLI prints it as one ``warning:`` line on stderr."""
+
+
 class InvalidArgumentError(EdgeSpecError, ValueError):
     """A parameter (sampling setting, gamma, lenience, prompt, ...) is out of range."""
 

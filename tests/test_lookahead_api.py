@@ -88,3 +88,23 @@ def test_lookahead_errors_reach_the_caller_and_the_engine_recovers(tiny_bundle):
         eng.generate([5, 9, 4], **kw)
     del eng.target.extend
     assert eng.generate([5, 9, 4], **kw).ids == fresh
+
+
+def test_lookahead_warns_when_the_target_leaves_no_core(tiny_bundle, capsys):
+    import os
+    import warnings
+
+    from edgespec.errors import EdgeSpecWarning
+
+    bundle = tiny_bundle("llama")
+    with pytest.warns(EdgeSpecWarning, match="competes with the target"):
+        load(bundle, threads=0).generate([5, 9], max_new_tokens=4, drafter="lookahead")
+    cores = len(os.sched_getaffinity(0))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        load(bundle, threads=max(1, cores - 1)).generate([5, 9], max_new_tokens=4, drafter="lookahead")
+        load(bundle, threads=0).generate([5, 9], max_new_tokens=4)             # the model drafter: no warning
+    assert sum(w.category is EdgeSpecWarning for w in seen) == (0 if cores > 1 else 1)  # 1 core: no spare one
+    assert main(["generate", str(bundle), "--prompt", "the cat", "--draft", "lookahead", "--max-new-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "edgespec generate: warning: drafter='lookahead'" in err and "Traceback" not in err
