@@ -87,16 +87,18 @@ class LookaheadDrafter(ModelDrafter):
 
     When a round's drafts x_1..x_g are proposed, a worker thread feeds x_g to the draft and drafts
     y_1..y_k on from there while the target's verify call runs (ONNX Runtime releases the GIL, so
-    with the target on one core the worker uses another). If the round keeps all g drafts and its
-    last token (the bonus) is y_1, the next round's drafts are y_2..y_k, already made: their
-    drafting cost no wall time. Otherwise they are dropped and the draft rewinds (a position move).
-    This is the post-verify half of PEARL (Liu et al., 2024).
+    with the target on one core the worker uses another). A round that keeps all g drafts decides
+    its bonus by testing y_1 against p_{g+1} (``next_draft``, see ``speculative_sample``). If the
+    bonus is y_1, the next round's drafts are y_2..y_k, already made: their drafting cost no wall
+    time. Otherwise they are dropped and the draft rewinds (a position move). This is the
+    post-verify half of PEARL (Liu et al., 2024).
 
     Exactness: y_2.. were drawn from q given the prefix ending in y_1 = the committed bonus, with
     uniforms drawn from the run's generator before the worker started, so they are distributed as
-    fresh drafts would be; whether they are used depends only on the committed tokens. The target's
-    acceptance test is unchanged (Appendix A.1). At temperature 0 the bonus is the target's argmax
-    and y_1 the draft's, so reuse happens exactly when the draft's next guess would be kept.
+    fresh drafts would be; whether they are used depends only on the committed tokens. The
+    acceptance test is the paper's (Appendix A.1), at the bonus position too. At temperature 0 the
+    bonus is the target's argmax and y_1 the draft's, so reuse happens exactly when the draft's next
+    guess would be kept.
     """
 
     def __init__(self, backend: Backend):
