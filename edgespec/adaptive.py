@@ -91,8 +91,14 @@ class _WidthTime(_LinearTime):
 
 
 class AdaptiveGamma:
-    def __init__(self, max_gamma: int):
+    """``fixed_costs=(c, s)``: price a draft step at c target steps and a verify call of k tokens at
+    1 + s (k - 1) steps instead of measuring them. The decisions then depend only on the run's own
+    tokens, so a seeded sampled run is reproducible (measured times differ from run to run, and
+    with them the draft lengths, which change which uniforms decide which token)."""
+
+    def __init__(self, max_gamma: int, fixed_costs: tuple[float, float] | None = None):
         self.max_gamma = max_gamma
+        self._fixed = fixed_costs
         self._kept = np.full(_BINS, 1.0)     # [bins] Beta(1, 1) prior on each bin's keep rate
         self._seen = np.full(_BINS, 2.0)     # [bins]
         self._rounds = 0
@@ -115,8 +121,13 @@ class AdaptiveGamma:
         # Nothing learned changes during a round (update() comes after it), so the fits and the
         # mean keep rate are read once here, not once per drafted token (keep_going is on the
         # draft loop's path).
-        self._draft_line = self._draft_time.line()
-        self._verify = self._target_time.table()
+        if self._fixed is not None:
+            c, slope = self._fixed
+            self._draft_line = (0.0, c)
+            self._verify = [1.0 + slope * max(0, k - 1) for k in range(self.max_gamma + 3)]
+        else:
+            self._draft_line = self._draft_time.line()
+            self._verify = self._target_time.table()
         self._mean_keep = float(self._kept.sum() / self._seen.sum())
 
     def keep_going(self, i: int, confidence: float) -> bool:

@@ -35,6 +35,10 @@ from .errors import (BundleError, EdgeSpecWarning, EngineBusyError, InvalidArgum
                      TokenizerMismatchError)
 
 DEFAULT_MAX_GAMMA = 8
+# A verify call's cost per extra token, in target steps, for a seeded adaptive run (which does not
+# measure): 0.09 on the benchmark CPU (fp32, one core); an accelerator's is near 0, so this errs
+# toward shorter drafts there.
+VERIFY_SLOPE = 0.1
 
 
 @dataclass(frozen=True)
@@ -229,6 +233,13 @@ class Engine:
     def has_draft(self) -> bool:
         return self.draft is not None
 
+    def _draft_cost(self) -> float:
+        """A draft step in target steps, from the bytes each forward reads (decoding is memory
+        bound): on the benchmark pair 0.018 against a measured c of 0.02-0.03."""
+        t = self.manifest.target.parameter_bytes.get("per_forward", 0)
+        d = self.manifest.draft.parameter_bytes.get("per_forward", 0) if self.manifest.draft is not None else 0
+        return d / t if t > 0 and d > 0 else 0.05
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
@@ -276,7 +287,7 @@ class Engine:
             )
 
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, gamma: int | None = 4, lenience: float = 1.0, seed: int | None = None,
+                 top_p: float = 1.0, gamma: int | None = None, lenience: float = 1.0, seed: int | None = None,
                  stream: bool = False, use_draft: bool = True, stop_token_ids: Sequence[int] = (),
                  drafter: str = "model"):
         """Generate from text or token ids.
@@ -287,9 +298,11 @@ class Engine:
         has); ``drafter="ngram"`` drafts by prompt lookup (continuations of earlier text; no second
         model). All three are exact.
 
-        ``temperature=0`` is greedy; ``gamma=None`` lets edgespec choose the draft length per round
-        (the policy keeps what it learned for later calls with the same sampling settings; its
-        choices follow measured call times, so with sampling a seed no longer fixes the output).
+        ``temperature=0`` is greedy. ``gamma=None`` (the default) lets edgespec choose the draft
+        length per round from the draft's confidence, the acceptance rate so far and the measured
+        call times; the policy keeps what it learned for later calls with the same settings. With
+        sampling and a ``seed``, it prices calls from the bundle instead of measuring them and starts
+        afresh, so the seed fixes the text; ``gamma=k`` drafts k tokens every round.
         With the ONNX runtime any gamma >= 1 works (the graphs take any number of new tokens); with
         ``runtime="xla"`` gamma + 1 may not exceed the artifacts' verify width (xla.json, default 9);
         ``use_draft=False`` (or a single-model bundle) decodes plainly with the target.
@@ -341,7 +354,11 @@ class Engine:
                 _warn_if_no_spare_core(self._target_threads)
             draft = self._lookahead
         policy = None
-        if gamma is None and draft is not None:
+        if gamma is None and draft is not None and seed is not None and not config.sampling.greedy:
+            # Measured times vary from run to run, and with them the draft lengths and so which
+            # uniform decides which token: a reproducible run prices calls from the bundle instead.
+            policy = AdaptiveGamma(max_gamma, fixed_costs=(0.0 if ngram else self._draft_cost(), VERIFY_SLOPE))
+        elif gamma is None and draft is not None:
             key = (config.sampling, lenience, drafter, max_gamma)
             if key not in self._policies and len(self._policies) >= _MAX_POLICIES:
                 self._policies.pop(next(iter(self._policies)))  # the oldest setting

@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    parser.add_argument("--gamma", default="4", help="draft tokens per round, or 'auto' (default 4)")
+    parser.add_argument("--gamma", default="auto",
+                        help="draft tokens per round, or 'auto': chosen every round (default auto)")
     parser.add_argument("--lenience", type=float, default=1.0, help="1.0 = exact (Appendix A.5 of the paper)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--no-draft", action="store_true", help="plain decoding with the target only")

@@ -66,6 +66,22 @@ def test_seeded_sampling_is_deterministic(engines, arch):
     assert len(others) > 1
 
 
+def test_adaptive_gamma_is_the_default_and_a_seed_fixes_sampled_text(tiny_bundle, engines):
+    """No gamma: the adaptive policy (issue 8). Sampled with a seed: the same text from a fresh
+    engine and after the engine has learned from other calls (the seeded policy prices calls from
+    the bundle and starts afresh); greedy: identical to plain decoding."""
+    from edgespec.api import load
+
+    eng = engines("llama")
+    greedy = eng.generate(PROMPT, max_new_tokens=30, temperature=0)
+    assert eng._policies and greedy.ids == eng.generate(PROMPT, max_new_tokens=30, temperature=0, use_draft=False).ids
+    first = eng.generate(PROMPT, max_new_tokens=30, temperature=0.9, seed=4)
+    eng.generate(PROMPT, max_new_tokens=30, temperature=0.9)          # unseeded: the measuring policy learns
+    assert eng.generate(PROMPT, max_new_tokens=30, temperature=0.9, seed=4).ids == first.ids
+    assert load(tiny_bundle("llama"), threads=1).generate(PROMPT, max_new_tokens=30, temperature=0.9,
+                                                          seed=4).ids == first.ids
+
+
 @pytest.mark.parametrize("arch", ["llama", "t5"])
 def test_stream_equals_non_streamed(engines, arch):
     eng = engines(arch)
@@ -151,5 +167,7 @@ def test_adaptive_policy_persists_across_calls(tiny_bundle):
         greedy = next(p for k, p in eng._policies.items() if k[0].greedy)
         learned.append(greedy._target_time._s[0])  # (decayed) number of rounds it has timed
     assert learned[1] > 1.3 * learned[0]  # the second call added to the first call's rounds
-    eng.generate([5, 9, 13], max_new_tokens=20, temperature=1.0, gamma=None, seed=0)
+    eng.generate([5, 9, 13], max_new_tokens=20, temperature=1.0, gamma=None)
     assert len(eng._policies) == 2  # one for greedy, one for T=1
+    eng.generate([5, 9, 13], max_new_tokens=20, temperature=1.0, gamma=None, seed=0)
+    assert len(eng._policies) == 2  # a seeded sampled call uses a fresh policy of its own

@@ -445,3 +445,30 @@ def test_adaptive_policy_with_a_smaller_bound_than_the_config_stays_within_it():
     ada = generate(target, [1], c, np.random.default_rng(0), draft=draft, policy=AdaptiveGamma(3))
     assert ada.tokens == plain.tokens
     assert len(ada.stats.gamma_hist) <= 4 and sum(ada.stats.gamma_hist) > 10
+
+
+def test_adaptive_with_fixed_costs_ignores_timings():
+    """fixed_costs: the same confidences and outcomes give the same draft lengths whatever the
+    measured times (what makes a seeded sampled run reproducible)."""
+    import numpy as np
+
+    from edgespec.adaptive import AdaptiveGamma
+
+    def lengths(times):
+        pol, out = AdaptiveGamma(8, fixed_costs=(0.02, 0.1)), []
+        rng = np.random.default_rng(0)
+        for r in range(40):
+            pol.start_round()
+            conf = rng.random(8)
+            g = 1
+            while pol.keep_going(g, float(conf[g - 1])):
+                g += 1
+            out.append(g)
+            pol.update(conf[:g], int(rng.integers(0, g + 1)), *times(r))
+        return out
+
+    a = lengths(lambda r: (0.001, 0.01))
+    b = lengths(lambda r: (0.05 * (1 + r % 3), 0.002 * (1 + r % 5)))
+    assert a == b and len(set(a)) > 1
+    measured = AdaptiveGamma(8)  # the measuring policy does follow the times
+    assert measured._fixed is None
