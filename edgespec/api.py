@@ -235,7 +235,7 @@ class Engine:
 
     def _draft_cost(self) -> float:
         """A draft step in target steps, from the bytes each forward reads (decoding is memory
-        bound): on the benchmark pair 0.018 against a measured c of 0.02-0.03."""
+        bound): on the benchmark pair 0.014 against a measured c of 0.02-0.03."""
         t = self.manifest.target.parameter_bytes.get("per_forward", 0)
         d = self.manifest.draft.parameter_bytes.get("per_forward", 0) if self.manifest.draft is not None else 0
         return d / t if t > 0 and d > 0 else 0.05
@@ -390,7 +390,6 @@ class Engine:
             self.draft.free()
 
 
-
 def _warn_if_no_spare_core(threads: int | None) -> None:
     """The lookahead drafter's worker needs a core the target leaves free."""
     if threads is None:
@@ -402,6 +401,7 @@ def _warn_if_no_spare_core(threads: int | None) -> None:
             f"thread competes with the target's (11% slower than drafter='model' on the 2-core benchmark machine); "
             f"give the target fewer threads (threads={max(1, cores - 1)}, CLI --threads {max(1, cores - 1)}) or use "
             "drafter='model'", EdgeSpecWarning, stacklevel=3)
+
 
 def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,
          threads: int = 0, draft_threads: int | None = 1, spinning: bool | None = None,

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     def show(message, category, filename, lineno, file=None, line=None):  # one line, no source location
         print(f"edgespec {args.command}: warning: {message}", file=sys.stderr)
 
-    warnings.showwarning = show
+    shown, warnings.showwarning = warnings.showwarning, show
     try:
         return int(module.run(args) or 0)
     except EdgeSpecError as exc:
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 141
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":
