@@ -22,6 +22,7 @@ import numpy as np
 from edgespec.api import load
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.config import SamplingConfig
+from edgespec.errors import EdgeSpecError
 from edgespec.report import machine_description, write_json
 from edgespec.sampling import process_logits
 
@@ -70,7 +71,15 @@ def main(argv=None) -> int:
     if args.temperature <= 0:
         ap.error("--temperature must be > 0 (at 0 use benchmarks/adaptive_bound.py, which is exact)")
 
-    eng = load(args.bundle, threads=1, spinning=False)
+    try:
+        eng = load(args.bundle, threads=1, spinning=False)
+    except EdgeSpecError as exc:
+        print(f"acceptance_signals: {exc}", file=sys.stderr)
+        return 2
+    if eng.draft is None:
+        print(f"acceptance_signals: {args.bundle} has no draft model; export one with `edgespec export --draft`",
+              file=sys.stderr)
+        return 2
     prompts = [eng.encode(p) for p in CODE_PROMPTS]
     print(f"[acceptance-signals] {len(prompts)} prompts x {args.new_tokens} tokens at T={args.temperature:g}",
           file=sys.stderr)

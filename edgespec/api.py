@@ -203,7 +203,8 @@ _MAX_POLICIES = 32  # adaptive policies an engine keeps (one per sampling settin
 class Engine:
     """Target (and optional draft) backends of one bundle plus its tokenizer."""
 
-    def __init__(self, root: Path, manifest: BundleManifest, target, draft, tokenizer):
+    def __init__(self, root: Path, manifest: BundleManifest, target, draft, tokenizer,
+                 target_threads: int | None = None):
         self.root, self.manifest = root, manifest
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self._guard = _EngineGuard()
@@ -212,7 +213,7 @@ class Engine:
         # machine, so later calls start from it instead of from scratch.
         self._policies: dict[tuple, AdaptiveGamma] = {}
         self._lookahead: LookaheadDrafter | None = None
-        self._target_threads: int | None = None   # ONNX Runtime intra-op threads of the target (0: ORT's default)
+        self._target_threads = target_threads   # ONNX Runtime intra-op threads of the target (0: ORT's default)
 
     @property
     def busy_timeout(self) -> float | None:
@@ -238,7 +239,7 @@ class Engine:
         bound): on the benchmark pair 0.014 against a measured c of 0.02-0.03."""
         t = self.manifest.target.parameter_bytes.get("per_forward", 0)
         d = self.manifest.draft.parameter_bytes.get("per_forward", 0) if self.manifest.draft is not None else 0
-        return d / t if t > 0 and d > 0 else 0.05
+        return d / t if t > 0 and d > 0 else 0.05  # sizes unknown (a hand-made manifest): a small draft
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
@@ -457,9 +458,7 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     target = open_model(tm, target_cfg)
     if load_draft and manifest.draft is not None:
         draft = open_model(manifest.draft, draft_cfg)
-    engine = Engine(root, manifest, target, draft, tokenizer)
-    engine._target_threads = threads if runtime == "onnx" else None
-    return engine
+    return Engine(root, manifest, target, draft, tokenizer, target_threads=threads if runtime == "onnx" else None)
 
 
 def _check_same_tokenizer(root: Path, manifest: BundleManifest) -> None:

@@ -228,3 +228,4 @@ def test_acceptance_signals_binned_r2_and_collect(tiny_bundle):
     data = mod.collect(eng, [[5, 9, 13], [7, 2]], 12, 1.0, 3, 0)
     assert 0 < data["a"].size <= 2 * 12 * 3 and data["a"].size % 3 == 0 and ((data["a"] >= 0) & (data["a"] <= 1)).all()
     assert ((data["q_x"] > 0) & (data["q_x"] <= data["max_q"] + 1e-12)).all()
+    assert mod.main([str(Path("/nonexistent/bundle")), "--out", "unused"]) == 2   # a clean error, no traceback

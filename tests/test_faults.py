@@ -239,12 +239,14 @@ def test_busy_timeout_refuses_clearly(engine, tiny_bundle):
     assert engine.generate(PROMPT, seed=3, **KW).ids == ref[3]
 
 
+@pytest.mark.parametrize("drafter", ["model", "lookahead"])
 @pytest.mark.parametrize("arch", ["gpt2", "t5"])
 @pytest.mark.parametrize("how", ["break", "close", "keyboard-interrupt-in-consumer", "keyboard-interrupt-in-model",
                                  "abandoned-iterator"])
-def test_interrupted_stream_leaves_the_engine_usable(tiny_bundle, arch, how):
+def test_interrupted_stream_leaves_the_engine_usable(tiny_bundle, arch, how, drafter):
+    """Also with the lookahead drafter, whose worker thread may be drafting when the interrupt comes."""
     bundle = tiny_bundle(arch)
-    kw = dict(max_new_tokens=20, temperature=0.9, gamma=3)
+    kw = dict(max_new_tokens=20, temperature=0.9, gamma=3, drafter=drafter)
     fresh = load(bundle, threads=1).generate(PROMPT, seed=5, **kw).ids
     eng = load(bundle, threads=1)
     s = eng.generate(PROMPT, seed=11, stream=True, **kw)

@@ -48,9 +48,8 @@ def test_lookahead_stream_matches_and_cli(tiny_bundle, capsys):
 
 
 def test_lookahead_errors_reach_the_caller_and_the_engine_recovers(tiny_bundle):
-    """A draft failure inside the worker thread is raised in the caller's thread (typed), and an
-    interrupt during a verify call leaves the engine usable: the next call gives a fresh run's
-    tokens."""
+    """A draft failure inside the worker thread is raised in the caller's thread (typed), and the
+    engine stays usable: the next call gives a fresh run's tokens."""
     import numpy as np
 
     from edgespec.errors import NonFiniteLogitsError
@@ -74,20 +73,8 @@ def test_lookahead_errors_reach_the_caller_and_the_engine_recovers(tiny_bundle):
         eng.generate([5, 9, 4], **kw)
     del eng.draft.extend
     assert eng.generate([5, 9, 4], **kw).ids == fresh
-
-    real_target, n = eng.target.extend, []
-
-    def interrupted(ids):
-        n.append(1)
-        if len(n) == 3:
-            raise KeyboardInterrupt
-        return real_target(ids)
-
-    eng.target.extend = interrupted
-    with pytest.raises(KeyboardInterrupt):
-        eng.generate([5, 9, 4], **kw)
-    del eng.target.extend
-    assert eng.generate([5, 9, 4], **kw).ids == fresh
+    # interrupts (in the model, in the consumer, abandoned streams): test_faults.py runs its
+    # interrupted-stream cases with this drafter too
 
 
 def test_lookahead_warns_when_the_target_leaves_no_core(tiny_bundle, capsys):
