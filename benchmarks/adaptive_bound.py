@@ -18,6 +18,11 @@ Policies replayed:
 - the best "draft while the predicted all-kept probability exceeds a threshold" policy, with the
   keep probability per confidence bin taken from the trace itself (in-sample: an upper bound for
   policies that see only the draft's confidence; optimal stopping for a ratio objective has this form);
+- with ``--calibration N``: the same threshold policy with better predictors of a draft's fate, fitted
+  (with the threshold and cap) on the target's greedy continuations of N held-out corpus prefixes and
+  replayed on the prompts: confidence bins; a logistic regression on the draft's max probability, its
+  margin over the runner-up and its entropy; the same plus per-token keep rates of the drafted and the
+  previous token. Each is also given its best in-sample threshold (an upper bound for that predictor);
 - an oracle that knows which drafts will be kept (drafts exactly the kept run; unreachable).
 """
 from __future__ import annotations
@@ -39,7 +44,8 @@ BINS = 10
 
 
 def trace(engine, prompts: list[list[int]], new_tokens: int, vocab: int) -> list[dict]:
-    """Per prompt: the target's greedy output and, per position, the draft's match and confidence."""
+    """Per prompt: the target's greedy output and, per position, whether the draft's argmax matches it
+    and what the draft knew when it proposed it (its max probability, runner-up, entropy, token ids)."""
     out = []
     for ids in prompts:
         path = engine.generate(ids, max_new_tokens=new_tokens, temperature=0, use_draft=False).ids
@@ -47,8 +53,12 @@ def trace(engine, prompts: list[list[int]], new_tokens: int, vocab: int) -> list
         first = d.prefill(ids)[:vocab]                                       # [V] predicts path[0]
         rest = d.extend(path[:-1])[:, :vocab] if len(path) > 1 else np.zeros((0, vocab))
         logits = np.concatenate([first[None], rest]).astype(np.float64)     # [n, V]
-        conf = 1.0 / np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)  # [n] draft's max probability
-        out.append({"match": (logits.argmax(-1) == np.asarray(path)).tolist(), "conf": conf.tolist()})
+        q = np.exp(logits - logits.max(-1, keepdims=True))
+        q /= q.sum(-1, keepdims=True)                                        # [n, V] draft's distribution
+        top2 = np.sort(q, -1)[:, -2:]                                        # [n, 2] runner-up, max
+        out.append({"match": (logits.argmax(-1) == np.asarray(path)).tolist(), "conf": top2[:, 1].tolist(),
+                    "second": top2[:, 0].tolist(), "entropy": (-(q * np.log(q + 1e-30)).sum(-1)).tolist(),
+                    "token": logits.argmax(-1).tolist(), "prev": [int(ids[-1]), *map(int, path[:-1])]})
     return out
 
 
@@ -69,12 +79,15 @@ def call_times(backend, vocab: int, widths, calls: int = 40, context: int = 100)
     return out
 
 
-def replay(tr: list[dict], gamma_max: int, t_draft: float, t_target, policy=None, shared=False) -> float:
-    """Tokens per modelled second over the whole trace under a policy (None: static gamma_max)."""
+def replay(tr: list[dict], gamma_max: int, t_draft: float, t_target, policy=None, shared=False,
+           signal: str = "conf") -> float:
+    """Tokens per modelled second over the whole trace under a policy (None: static gamma_max).
+    ``shared``: one policy for all prompts (as an Engine keeps one across calls); ``signal``: the
+    per-position value the policy is shown (the draft's confidence, or a predicted keep probability)."""
     tokens, seconds = 0, 0.0
     pol = policy() if policy is not None and shared else None
     for r in tr:
-        match, conf = np.asarray(r["match"]), np.asarray(r["conf"])
+        match, conf = np.asarray(r["match"]), np.asarray(r[signal])
         n, s = len(match), 1           # position 0 comes from the prefill
         tokens += 1
         p = pol if shared else (policy() if policy is not None else None)
@@ -103,20 +116,114 @@ def replay(tr: list[dict], gamma_max: int, t_draft: float, t_target, policy=None
 
 
 class ThresholdPolicy:
-    """Draft while the predicted probability that every draft so far is kept exceeds ``threshold``."""
+    """Draft while the predicted probability that every draft so far is kept exceeds ``threshold``.
+    ``keep_by_bin``: keep rate per confidence bin; None: the signal already is a keep probability."""
 
-    def __init__(self, keep_by_bin: np.ndarray, threshold: float):
+    def __init__(self, keep_by_bin: np.ndarray | None, threshold: float):
         self.keep, self.threshold, self.prob = keep_by_bin, threshold, 1.0
 
     def start_round(self) -> None:
         self.prob = 1.0
 
-    def keep_going(self, i: int, confidence: float) -> bool:
-        self.prob *= self.keep[min(int(confidence * BINS), BINS - 1)]
+    def keep_going(self, i: int, signal: float) -> bool:
+        self.prob *= signal if self.keep is None else self.keep[min(int(signal * BINS), BINS - 1)]
         return self.prob > self.threshold
 
     def update(self, *args) -> None:
         pass
+
+
+# --------------------------------------------------------------------------- better predictors
+# Can a policy that sees only the draft do much better than confidence bins? Fit richer predictors
+# of "this draft is kept" on one set of greedy continuations and replay them on another.
+
+def calibration_prompts(engine, n: int, length: int = 64, seed: int = 0) -> list[list[int]]:
+    """n prefixes of ``length`` tokens at random places in the held-out part of the corpus."""
+    from edgespec.corpus import load_corpus
+
+    _, held, _ = load_corpus()
+    ids = engine.encode(held)
+    if len(ids) < 2 * length:
+        raise SystemExit(f"[adaptive-bound] the held-out corpus has only {len(ids)} tokens; lower --calibration")
+    starts = np.random.default_rng(seed).choice(len(ids) - length, n, replace=n > len(ids) - length)
+    return [ids[s:s + length] for s in starts]
+
+
+def _cat(tr: list[dict], key: str) -> np.ndarray:
+    return np.concatenate([np.asarray(r[key]) for r in tr])
+
+
+def token_rates(tr: list[dict], key: str, vocab: int, prior: float = 5.0) -> np.ndarray:
+    """[vocab] keep rate of drafts by the token id in ``key``, shrunk towards the mean by ``prior`` pseudo-counts."""
+    ids, y = _cat(tr, key).astype(int), _cat(tr, "match").astype(float)
+    return (np.bincount(ids, y, vocab) + prior * y.mean()) / (np.bincount(ids, None, vocab) + prior)
+
+
+def features(tr: list[dict], rates: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """[n, f] log max prob, log margin over the runner-up, entropy, max prob and its square (+ token keep rates), 1."""
+    conf, second = _cat(tr, "conf"), _cat(tr, "second")
+    cols = [np.log(conf), np.log(conf - second + 1e-9), _cat(tr, "entropy"), conf, conf ** 2]
+    if rates is not None:
+        cols += [rates[0][_cat(tr, "token").astype(int)], rates[1][_cat(tr, "prev").astype(int)]]
+    return np.stack(cols + [np.ones_like(conf)], 1)
+
+
+def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1e-3, iters: int = 30):
+    """Logistic regression by Newton's method on standardised columns; returns x -> P(kept)."""
+    mu, sd = x.mean(0), x.std(0) + 1e-9
+    mu[-1], sd[-1] = 0.0, 1.0                            # the constant column stays 1
+    z = (x - mu) / sd                                     # [n, f]
+    w = np.zeros(x.shape[1])                              # [f]
+    for _ in range(iters):
+        pr = 1.0 / (1.0 + np.exp(-z @ w))                 # [n]
+        hess = (z * (pr * (1 - pr))[:, None]).T @ z + l2 * np.eye(len(w))
+        w -= np.linalg.solve(hess, z.T @ (pr - y) + l2 * w)
+    return lambda xn: 1.0 / (1.0 + np.exp(-((xn - mu) / sd) @ w))
+
+
+def auc(score: np.ndarray, y: np.ndarray) -> float:
+    """Probability that a kept draft scores above a rejected one (ties count half)."""
+    from scipy.stats import rankdata
+
+    r, n1 = rankdata(score), int(y.sum())
+    n0 = len(y) - n1
+    return float((r[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0)) if n1 and n0 else float("nan")
+
+
+def _set_signal(tr: list[dict], name: str, probs: np.ndarray) -> None:
+    i = 0
+    for r in tr:
+        n = len(r["match"])
+        r[name], i = probs[i:i + n].tolist(), i + n
+
+
+def _best_threshold(tr, t_draft, t_target, signal, keep=None) -> tuple[float, float, int]:
+    grid = [(replay(tr, cap, t_draft, t_target, policy=lambda th=th: ThresholdPolicy(keep, th), signal=signal),
+             float(th), cap) for th in np.arange(0.05, 0.95, 0.05) for cap in (4, 6, 8, 12, 16)]
+    return max(grid)
+
+
+def predictor_rows(cal: list[dict], test: list[dict], vocab: int, t_draft, t_target) -> list[tuple[str, float, float]]:
+    """(name, modelled tok/s on ``test`` with the threshold and cap chosen on ``cal``, best in-sample tok/s)."""
+    y_cal, y_test = _cat(cal, "match").astype(bool), _cat(test, "match").astype(bool)
+    rates = (token_rates(cal, "token", vocab), token_rates(cal, "prev", vocab))
+    bins_cal = np.minimum((_cat(cal, "conf") * BINS).astype(int), BINS - 1)
+    keep = np.array([y_cal[bins_cal == b].mean() if (bins_cal == b).any() else y_cal.mean() for b in range(BINS)])
+    preds = {"confidence bins": lambda tr: keep[np.minimum((_cat(tr, "conf") * BINS).astype(int), BINS - 1)]}
+    lr = fit_logistic(features(cal), y_cal.astype(float))
+    preds["logistic: max prob, margin, entropy"] = lambda tr: lr(features(tr))
+    lr_tok = fit_logistic(features(cal, rates), y_cal.astype(float))
+    preds["logistic + drafted/previous token keep rates"] = lambda tr: lr_tok(features(tr, rates))
+    rows = []
+    for name, pred in preds.items():
+        for tr in (cal, test):
+            _set_signal(tr, "signal", pred(tr))
+        _, th, cap = _best_threshold(cal, t_draft, t_target, "signal")
+        held_out = replay(test, cap, t_draft, t_target, policy=lambda: ThresholdPolicy(None, th), signal="signal")
+        in_sample = _best_threshold(test, t_draft, t_target, "signal")[0]
+        rows.append((f"{name} (AUC {auc(_cat(test, 'signal'), y_test):.3f}; threshold {th:.2f}, cap {cap})",
+                     held_out, in_sample))
+    return rows
 
 
 def oracle(tr: list[dict], cap: int, t_draft: float, t_target) -> float:
@@ -140,6 +247,9 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-gamma", type=int, default=8)
+    ap.add_argument("--calibration", type=int, default=0,
+                    help="also fit richer keep predictors on the target's continuations of this many held-out "
+                         "corpus prefixes and replay them on the prompts (0: skip)")
     args = ap.parse_args(argv)
 
     eng = load(args.bundle, threads=args.threads, spinning=False)
@@ -160,7 +270,9 @@ def main(argv=None) -> int:
     plain = 1.0 / t_target(1)
     static = {g: replay(tr, g, t_draft, t_target) for g in range(1, 11)}
     best_g = max(static, key=static.get)
-    adaptive = replay(tr, args.max_gamma, t_draft, t_target, policy=lambda: AdaptiveGamma(args.max_gamma))
+    # one policy across prompts, as an Engine keeps one across calls with the same settings
+    adaptive = {cap: replay(tr, cap, t_draft, t_target, policy=lambda cap=cap: AdaptiveGamma(cap), shared=True)
+                for cap in sorted({args.max_gamma, 16})}
     match = np.concatenate([r["match"] for r in tr])
     conf = np.concatenate([r["conf"] for r in tr])
     bins = np.minimum((conf * BINS).astype(int), BINS - 1)
@@ -173,12 +285,20 @@ def main(argv=None) -> int:
     bound, th_best, cap_best = max(thresholds)
     orc = {cap: oracle(tr, cap, t_draft, t_target) for cap in (4, 8, 16)}
     rows = [("static gamma " + str(g), v) for g, v in static.items()]
-    rows += [(f"adaptive (online, max_gamma {args.max_gamma})", adaptive),
-             (f"best threshold policy, in-sample calibration (threshold {th_best:.2f}, cap {cap_best})", bound)]
+    rows += [(f"adaptive (online, max_gamma {cap})", v) for cap, v in adaptive.items()]
+    rows += [(f"best threshold policy, in-sample calibration (threshold {th_best:.2f}, cap {cap_best})", bound)]
+    if args.calibration:
+        print(f"[adaptive-bound] tracing {args.calibration} held-out corpus prefixes", file=sys.stderr)
+        cal = trace(eng, calibration_prompts(eng, args.calibration), args.new_tokens, vocab)
+        for name, held_out, in_sample in predictor_rows(cal, tr, vocab, t_draft, t_target):
+            rows += [(f"threshold policy, {name}, fitted on held-out text", held_out),
+                     ("  same predictor, best in-sample threshold", in_sample)]
     rows += [(f"oracle (cap {c})", v) for c, v in orc.items()]
     lines = [f"Bundle {args.bundle}; {len(prompts)} prompts x {args.new_tokens} greedy tokens; {args.threads} thread(s); "
              f"t_draft {t_draft * 1e3:.3f} ms, t_target(1) {t_target(1) * 1e3:.2f} ms, +{slope * 1e3:.3f} ms per extra "
-             f"verified token; greedy keep rate along the target's output {match.mean():.3f}.", "",
+             f"verified token; greedy keep rate along the target's output {match.mean():.3f}."
+             + (f" Predictors fitted on the target's greedy continuations ({args.new_tokens} tokens) of {args.calibration} "
+                "64-token prefixes of held-out corpus text." if args.calibration else ""), "",
              "| policy | modelled tok/s | vs plain | vs best static gamma |", "|---|---|---|---|"]
     lines += [f"| {name} | {v:.0f} | {v / plain:.2f}x | {v / static[best_g]:.3f} |" for name, v in rows]
     lines += ["", "keep rate by draft-confidence bin: " + ", ".join(
@@ -188,7 +308,8 @@ def main(argv=None) -> int:
     write_json(args.out / "adaptive_bound.json", {
         "machine": machine_description(), "bundle": str(args.bundle), "threads": args.threads,
         "t_draft_s": t_draft, "t_target_s": {str(k): v for k, v in tt_meas.items()}, "plain_tok_s": plain,
-        "policies": {name: v for name, v in rows}, "best_static_gamma": best_g, "keep_by_bin": keep.tolist(),
+        "policies": {name: v for name, v in rows}, "best_static_gamma": best_g,
+        "calibration_prefixes": args.calibration, "keep_by_bin": keep.tolist(),
         "command": " ".join(sys.argv)})
     print("\n".join(lines))
     return 0

@@ -20,6 +20,11 @@ import numpy as np
 _BINS = 10
 _FORGET = 0.995   # per-round decay of the acceptance counts: follows drifting text
 _FORGET_TIME = 0.98  # per-round decay of the time fits (draft and target)
+# The first calls of a new session are slow (allocation, cold caches: on the quick pair a first
+# 9-token verify took 2.8 ms, a warm one ~1.5). Timed, such a round makes extra tokens look dear,
+# the policy then drafts 1 token and never measures a longer round again. So the first rounds
+# draft at full length and are not timed.
+_UNTIMED_ROUNDS = 2
 
 
 class _LinearTime:
@@ -99,6 +104,7 @@ class AdaptiveGamma:
     def __init__(self, max_gamma: int, fixed_costs: tuple[float, float] | None = None):
         self.max_gamma = max_gamma
         self._fixed = fixed_costs
+        self._untimed = 0 if fixed_costs is not None else _UNTIMED_ROUNDS  # fixed costs: nothing to warm up
         self._kept = np.full(_BINS, 1.0)     # [bins] Beta(1, 1) prior on each bin's keep rate
         self._seen = np.full(_BINS, 2.0)     # [bins]
         self._rounds = 0
@@ -137,7 +143,7 @@ class AdaptiveGamma:
         a = self._keep_prob(confidence)
         self._prob *= a
         self._expected += self._prob
-        if not self._rounds:               # nothing measured yet: explore the full length
+        if self._rounds <= self._untimed:  # nothing timed yet: explore the full length
             return True
         gain = self._prob * self._mean_keep  # expected extra tokens from draft i + 1
         ad, bd = self._draft_line
@@ -157,6 +163,9 @@ class AdaptiveGamma:
             self._seen[b] += 1.0
             self._kept[b] += float(j < n_accepted)
         if g:
-            self._draft_time.add(g, draft_s)
             self._rounds += 1
+        if self._rounds <= self._untimed:    # warm-up rounds (see _UNTIMED_ROUNDS)
+            return
+        if g:
+            self._draft_time.add(g, draft_s)
         self._target_time.add(g + 1, target_s)

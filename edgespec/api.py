@@ -53,15 +53,23 @@ class GenerationOutput:
     prompt_ids: list[int]
 
 
-@dataclass(frozen=True)
-class StreamChunk:
-    """Tokens committed in one step and the text they completed (``str(chunk)`` is the text)."""
+class StreamChunk(str):
+    """Tokens committed in one step and the text they completed. It is that text (a ``str``, so
+    ``"".join(stream)`` is the generated text); ``.ids`` are the tokens."""
 
-    text: str
     ids: list[int]
 
-    def __str__(self) -> str:
-        return self.text
+    def __new__(cls, text: str, ids: list[int]):
+        self = super().__new__(cls, text)
+        self.ids = ids
+        return self
+
+    @property
+    def text(self) -> str:
+        return str.__str__(self)
+
+    def __repr__(self) -> str:
+        return f"StreamChunk(text={self.text!r}, ids={self.ids!r})"
 
 
 class _Detokenizer:
@@ -276,6 +284,10 @@ class Engine:
         if seq2seq:
             if n_prompt > limit:
                 raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most {limit}; shorten it")
+        elif n_prompt > limit:
+            raise PromptTooLongError(
+                f"prompt has {n_prompt} tokens but the target has {limit} positions; shorten the prompt so that "
+                f"prompt tokens + max_new_tokens <= {limit + 1}")
         elif n_prompt + max_new - 1 > limit:
             raise PromptTooLongError(
                 f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the target's {limit} positions; "
@@ -379,11 +391,19 @@ class Engine:
         return stream_obj.result
 
     def close(self) -> None:
+        """Forget the cached context (after calls in other threads finish). The engine stays usable;
+        ``with edgespec.load(...) as engine:`` calls this on leaving the block."""
         lease = self._guard.acquire()  # waits for other threads' calls; supersedes this thread's stream
         try:
             self._close_backends()
         finally:
             self._guard.release(lease)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _close_backends(self) -> None:
         self.target.free()
@@ -425,8 +445,12 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
 
     from .runtimes.onnx_backend import SessionConfig, open_backend, resolve_providers
 
+    for name, v in (("threads", threads), ("draft_threads", draft_threads)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            raise InvalidArgumentError(f"{name} (CLI --{name.replace('_', '-')}) must be an integer >= 0 "
+                                       f"(0 = ONNX Runtime's default); got {v!r}")
     root = Path(bundle)
-    manifest = load_bundle(root)
+    manifest = load_bundle(root, roles=None if load_draft else (contract.ROLE_TARGET,))  # plain decoding needs no draft files
     target_cfg = SessionConfig(providers=resolve_providers(providers), intra_op_threads=threads, spinning=spinning)
     draft_cfg = SessionConfig(
         providers=resolve_providers(providers if draft_providers is None else draft_providers),

@@ -56,12 +56,16 @@ def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), t
 def _parse_list(text: str, cast, name: str) -> list:
     try:
         return [cast(x) for x in text.split(",") if x.strip()]
+    except InvalidArgumentError:
+        raise
     except ValueError:
         raise InvalidArgumentError(f"--{name} takes a comma-separated list; got {text!r}") from None
 
 
 def _gamma(x: str):
-    return None if x.strip() in ("auto", "adaptive") else int(x)
+    from .generate_cli import parse_gamma
+
+    return parse_gamma(x, "--gammas")
 
 
 def build_grid(gammas, temperatures, top_k: int, top_p: float, lenience, drafts) -> list[Setting]:
@@ -150,5 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         write_json(args.out / "bench.json", payload)
         written = plot(rows, args.out)
-        print(f"wrote {args.out / 'bench.json'}" + "".join(f", {p}" for p in written))
+        print(f"wrote {args.out / 'bench.json'}" + "".join(f", {p}" for p in written or []))
+        if written is None:
+            print("plots skipped: matplotlib is not installed (pip install 'edgespec[bench]')", file=sys.stderr)
     return 0

@@ -18,7 +18,7 @@ import mmap
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from . import contract
 from .errors import BundleError, UnsafeFileError
@@ -156,6 +156,14 @@ def _check_model_fields(role, m: ModelManifest) -> None:
         raise TypeError(f"{role}.validation must be an object, got {m.validation!r:.60}")
 
 
+def usual_permissions(path: str | os.PathLike) -> None:
+    """Give a file or folder made by ``tempfile`` (private: 0600 / 0700) the permissions a plain
+    ``open`` or ``mkdir`` would have given it under the current umask, before it is renamed into place."""
+    mask = os.umask(0o022)  # reading the umask means setting it: restore it at once
+    os.umask(mask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
+
+
 def write_manifest(folder: Path, manifest: BundleManifest) -> Path:
     """Write edgespec.json through a temporary file + fsync + rename: never a half-written manifest."""
     path = Path(folder) / contract.MANIFEST_NAME
@@ -174,12 +182,16 @@ PARTIAL_MARKER = ".edgespec-export-in-progress"
 MAX_MANIFEST_BYTES = 16 << 20  # real manifests are a few KB
 
 
-def load_bundle(folder: str | os.PathLike, *, allow_partial: bool = False) -> BundleManifest:
+def load_bundle(folder: str | os.PathLike, *, allow_partial: bool = False,
+                roles: Sequence[str] | None = None) -> BundleManifest:
     """Read and verify a bundle: manifest, files present and intact, no unsafe external data.
 
+    ``roles``: verify only these models' files (``("target",)`` for plain decoding; None: all).
     ``allow_partial`` is for the exporter only: it checks its temporary folder before the rename.
     """
     root = Path(folder)
+    if root.exists() and not root.is_dir():
+        raise BundleError(f"{str(root)!r} is a file, not a bundle folder; pass the folder written by `edgespec export --out`")
     if not root.is_dir():
         raise BundleError(f"bundle folder {str(root)!r} does not exist; pass the folder written by `edgespec export --out`")
     if not allow_partial and os.path.lexists(root / PARTIAL_MARKER):
@@ -206,6 +218,8 @@ def load_bundle(folder: str | os.PathLike, *, allow_partial: bool = False) -> Bu
         raise BundleError(f"{mpath} is not a JSON object; re-export the bundle with `edgespec export`")
     manifest = BundleManifest.from_dict(data, where=str(mpath))
     for role, model in manifest.models.items():
+        if roles is not None and role not in roles:
+            continue
         try:
             check_model_folder(root, model, role)
         except (OSError, ValueError) as exc:  # name too long, unreadable file, embedded NUL, ...

@@ -25,7 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="edgespec", description="Exact speculative decoding for edge and accelerator hardware.")
+    parser.add_argument("--version", action="version", version=f"edgespec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():

@@ -18,7 +18,7 @@ from .report import machine_description
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="quick", help="pair preset: quick (default, minutes) or bench (an hour+)")
+    p.add_argument("--preset", default="quick", help="pair preset: quick (default, minutes) or bench (about 40 minutes on 2 cores)")
     p.add_argument("--corpus", nargs="*", type=Path, default=None,
                    help="text files to train on (default: this Python's standard library source)")
     p.add_argument("--gamma", default="4", help="draft tokens per round, or 'auto' (adaptive)")

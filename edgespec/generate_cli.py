@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 
 from .errors import InvalidArgumentError
@@ -15,22 +17,25 @@ _BRACKETS = {"accepted": ("[", "]"), "recovered": ("{", "}"), "bonus": ("<", ">"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", help="bundle folder written by `edgespec export`")
     parser.add_argument("--prompt", required=True, help="prompt text")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     parser.add_argument("--gamma", default="auto",
                         help="draft tokens per round, or 'auto': chosen every round (default auto)")
     parser.add_argument("--lenience", type=float, default=1.0, help="1.0 = exact (Appendix A.5 of the paper)")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed for sampling: the same seed gives the same text (default: a fresh one)")
     parser.add_argument("--no-draft", action="store_true", help="plain decoding with the target only")
     parser.add_argument("--draft", choices=("model", "lookahead", "ngram"), default="model",
-                        help="model: the bundle's draft model (default); lookahead: the draft model, drafting on "
+                        help="model: the bundle's draft model (default); lookahead: the draft model, drafting "
                              "on a second thread while the target verifies (for a target on fewer threads than "
                              "cores); ngram: prompt lookup, no second model")
     parser.add_argument("--provider", default="cpu", help="comma-separated execution providers for the target, in order (default cpu)")
     parser.add_argument("--draft-provider", default=None, help="providers for the draft (default: --provider)")
-    parser.add_argument("--threads", type=int, default=0, help="intra-op threads for the target (0 = ORT default)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads for the target (0 = ORT default: one per physical core; default 0, or "
+                             "with --draft lookahead all cores but one, which the drafting thread needs)")
     parser.add_argument("--draft-threads", type=int, default=1, help="intra-op threads for the draft (default 1)")
     parser.add_argument("--no-spin", action="store_true", help="disable ONNX Runtime thread spin-waiting")
     parser.add_argument("--runtime", choices=("onnx", "xla"), default="onnx",
@@ -38,17 +43,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, tpu (default: JAX's default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, ids, sources, statistics")
     parser.add_argument("--show-drafts", action="store_true",
-                        help="mark tokens: accepted draft tokens [x] (green), recovered {x} (yellow), bonus <x> (cyan); "
-                             "printed when generation ends")
+                        help="print the text when generation ends with each token marked by where it came from: "
+                             "accepted draft token [x], recovered after a rejection {x}, bonus <x> (on a terminal: "
+                             "green, yellow, cyan instead, unless NO_COLOR is set); unmarked tokens are the target's "
+                             "alone (the first token, rounds with nothing to draft)")
 
 
-def _gamma(value: str) -> int | None:
-    if value == "auto":
+def parse_gamma(value: str, flag: str = "--gamma") -> int | None:
+    """A command line's gamma: an integer >= 1, or 'auto' (adaptive: None)."""
+    if value.strip() in ("auto", "adaptive"):
         return None
     try:
-        return int(value)
+        g = int(value)
     except ValueError:
-        raise InvalidArgumentError(f"--gamma must be an integer >= 1 or 'auto'; got {value!r}") from None
+        g = 0
+    if g < 1:
+        raise InvalidArgumentError(f"{flag}: gamma must be an integer >= 1 or 'auto' (chosen every round); got {value!r}")
+    return g
 
 
 def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> str:
@@ -66,25 +77,44 @@ def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> st
     return "".join(parts)
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags that contradict each other or do nothing in this combination are errors, not ignored."""
+    if args.no_draft and args.draft != "model":
+        raise InvalidArgumentError(f"--no-draft decodes with the target alone; drop --draft {args.draft} "
+                                   "(or drop --no-draft to draft with it)")
+    if args.no_draft and args.gamma != "auto":
+        raise InvalidArgumentError("--no-draft decodes with the target alone: --gamma has no effect; drop one of them")
+    if args.platform is not None and args.runtime != "xla":
+        raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
+
+
 def run(args: argparse.Namespace) -> int:
     from .api import load
+    from .report import json_safe
 
+    _check_flags(args)
     spin = False if args.no_spin else None
-    engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=args.threads,
+    threads = args.threads
+    if threads is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores - 1) if args.draft == "lookahead" else 0
+    engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=threads,
                   draft_threads=args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",
                   runtime=args.runtime, platform=args.platform)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  gamma=_gamma(args.gamma), lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft,
+                  gamma=parse_gamma(args.gamma), lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft,
                   drafter=args.draft)
     if args.json or args.show_drafts:
         out = engine.generate(args.prompt, **kwargs)
         if args.json:
-            print(json.dumps({"text": out.text, "prompt_ids": out.prompt_ids, "ids": out.ids, "sources": out.sources,
-                              "finish_reason": out.finish_reason, "speculative": engine.has_draft and not args.no_draft,
-                              "stats": out.stats.to_dict()}))
+            print(json.dumps(json_safe({
+                "text": out.text, "prompt_ids": out.prompt_ids, "ids": out.ids, "sources": out.sources,
+                "finish_reason": out.finish_reason, "speculative": engine.has_draft and not args.no_draft,
+                "stats": out.stats.to_dict()}), allow_nan=False))  # strict JSON: a statistic without data is null
         else:
-            print(render_marked(engine, out.ids, out.sources, sys.stdout.isatty()))
+            color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")  # https://no-color.org
+            print(render_marked(engine, out.ids, out.sources, color))
             _summary(out)
         return 0
     stream = engine.generate(args.prompt, stream=True, **kwargs)
@@ -99,5 +129,11 @@ def run(args: argparse.Namespace) -> int:
 def _summary(out) -> None:
     s = out.stats.to_dict()
     keys = ("acceptance_rate", "tokens_per_target_call", "target_calls", "draft_calls")
-    info = ", ".join(f"{k}={s[k]:.3g}" if isinstance(s.get(k), float) else f"{k}={s.get(k)}" for k in keys if k in s)
+    info = ", ".join(f"{k}={_fmt(s[k])}" for k in keys if k in s)
     print(f"[{len(out.ids)} tokens, finish={out.finish_reason}; {info}]", file=sys.stderr)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if math.isfinite(v) else "n/a"  # e.g. no draft: no acceptance rate
+    return str(v)

@@ -488,7 +488,9 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
                 if progress:
                     print(f"edgespec: training a {p.vocab_size}-token byte-level BPE tokenizer on "
                           f"{c.description['train_files']} files ({c.description['train_bytes'] / 1e6:.1f} MB)", file=sys.stderr)
-                tok = train_tokenizer(c.train_docs, p.vocab_size, progress=progress)
+                # the line above is the progress: the tokenizers library's own bar leaves blank lines
+                # behind on a terminal shared with our tqdm bars (and the training takes seconds)
+                tok = train_tokenizer(c.train_docs, p.vocab_size)
                 tmp = tok_path.with_name("tokenizer.json.tmp")
                 tok.save(str(tmp))
                 os.replace(tmp, tok_path)
@@ -587,12 +589,13 @@ def load_pair(pair_dir: os.PathLike | str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="quick", choices=sorted(PRESETS),
-                        help="model sizes and steps: quick (minutes on a laptop CPU), bench (an hour or more), tiny (tests)")
+                        help="model sizes and steps: quick (minutes on a laptop CPU), bench (about 40 minutes on 2 cores), tiny (tests)")
     parser.add_argument("--corpus", nargs="+", metavar="FILE", type=Path, default=None,
                         help="text files or folders to train on (default: this Python's standard library sources)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default: the cache, $EDGESPEC_CACHE/pairs/<preset>-<corpus hash>, reused when present)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (same seed + same corpus = same weights)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the initial weights and batches (torch's CPU kernels are not bit-reproducible "
+                             "across runs, so weights of two runs differ slightly)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--print-path", action="store_true",

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from . import theory
+from .bundle import usual_permissions
 
 
 def machine_description() -> dict:
@@ -59,24 +60,41 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines + notes)
 
 
+def json_safe(obj):
+    """``obj`` with every non-finite float as None: strict JSON has no NaN or Infinity (Python
+    writes them, JavaScript's JSON.parse and Python's own strict mode reject them)."""
+    import numpy as np
+
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (float, np.floating)):
+        return float(obj) if math.isfinite(obj) else None
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
 def write_json(path: Path, payload: dict) -> None:
-    """Write atomically: a temporary file renamed into place."""
+    """Write atomically (a temporary file renamed into place), readable as the umask allows."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
     with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2, default=float)
+        json.dump(json_safe(payload), f, indent=2, default=float, allow_nan=False)
+    usual_permissions(tmp)  # mkstemp makes it private (0600)
     os.replace(tmp, path)
 
 
-def plot(rows: list[dict], out_dir: Path) -> list[Path]:
-    """speedup.png (measured vs Theorem 3.8 against gamma) and accepted_hist.png."""
+def plot(rows: list[dict], out_dir: Path) -> list[Path] | None:
+    """speedup.png (measured vs Theorem 3.8 against gamma) and accepted_hist.png; None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return []
+        return None
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     fig, ax = plt.subplots(figsize=(6.4, 4.2))

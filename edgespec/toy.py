@@ -106,6 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.gamma < 1:
+        raise InvalidArgumentError(f"--gamma must be an integer >= 1 (the toy drafts a fixed number per round); got {args.gamma}")
+    if args.vocab < 2 or args.order < 1:
+        raise InvalidArgumentError(f"--vocab must be >= 2 and --order >= 1; got --vocab {args.vocab} --order {args.order}")
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                            max_gamma=max(8, args.gamma),
                            sampling=SamplingConfig(args.temperature, args.top_k, args.top_p))

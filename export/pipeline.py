@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Callable
 
 from edgespec import contract
-from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
+from edgespec.bundle import (PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, usual_permissions,
+                             write_manifest)
 from edgespec.errors import DiskFullError, InvalidArgumentError, OutputExistsError, UnsupportedArchitectureError
 
 from . import graph_info, static_kv, validate
@@ -249,6 +250,7 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         _remove_stale_partials(dest)
         _check_free_space(dest.parent, roles, xla is not None)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+        usual_permissions(tmp)  # mkdtemp makes it private (0700); the bundle is shared like any folder
     except OSError as exc:
         raise _as_disk_full(exc, dest.parent, roles) or exc
     try:

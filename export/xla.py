@@ -213,7 +213,7 @@ def _parse_ints(text: str) -> list[int]:
 def add_xla_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of the XLA export. Options the caller already defined (e.g. --max-length) are kept."""
     have = set(getattr(parser, "_option_string_actions", {}))
-    g = parser.add_argument_group("XLA export (--format xla)")
+    g = parser.add_argument_group("XLA export (--format onnx+xla)")
 
     def add(flag: str, **kw: Any) -> None:
         if flag not in have:

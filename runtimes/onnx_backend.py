@@ -58,6 +58,9 @@ PROVIDER_ALIASES: dict[str, str] = {
     "acl": "ACLExecutionProvider",
     "armnn": "ArmNNExecutionProvider",
     "vitisai": "VitisAIExecutionProvider",
+    "dnnl": "DnnlExecutionProvider",
+    "azure": "AzureExecutionProvider",
+    "webnn": "WebNNExecutionProvider",
 }
 _ORT_TO_ALIAS = {v: k for k, v in PROVIDER_ALIASES.items()}
 
@@ -82,6 +85,10 @@ def resolve_providers(names: Sequence[str] | str) -> tuple[str, ...]:
     out = []
     for name in names:
         ort_name = PROVIDER_ALIASES.get(name.lower(), name)
+        if ort_name not in have and ort_name not in set(ort.get_all_providers()) | set(PROVIDER_ALIASES.values()):
+            raise ProviderError(
+                f"unknown execution provider {name!r}: use a short name ({', '.join(PROVIDER_ALIASES)}) or ONNX "
+                f"Runtime's own (e.g. CUDAExecutionProvider); available in this build: {', '.join(available_providers())}")
         if ort_name not in have:
             raise ProviderError(
                 f"execution provider {name!r} is not available in this onnxruntime build; available: "

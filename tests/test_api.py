@@ -91,7 +91,7 @@ def test_stream_equals_non_streamed(engines, arch):
         stream.result
     chunks = list(stream)
     assert [t for c in chunks for t in c.ids] == full.ids == stream.result.ids
-    assert "".join(str(c) for c in chunks) == full.text == stream.result.text
+    assert "".join(chunks) == "".join(c.text for c in chunks) == full.text == stream.result.text
     assert stream.result.sources == full.sources
 
 

@@ -114,3 +114,20 @@ def test_external_data_missing(bundle_copy):
     external_data_model(b / "target" / contract.DECODER_FILE, "weights.bin")
     with pytest.raises(BundleError, match="missing"):
         load_bundle(b)
+
+
+def test_outputs_keep_the_umask_permissions(tiny_bundle, tmp_path):
+    """Bundles and JSON reports are staged with tempfile (private: 0700 / 0600) and renamed into
+    place; they must end up as readable as any folder or file the user makes, and strict JSON."""
+    import stat
+
+    from edgespec.report import write_json
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    bundle = tiny_bundle("gpt2")
+    assert stat.S_IMODE(bundle.stat().st_mode) == 0o777 & ~mask
+    write_json(tmp_path / "r.json", {"alpha": float("nan"), "runs": [1.5, float("inf")]})
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == 0o666 & ~mask
+    assert json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(c)) == {
+        "alpha": None, "runs": [1.5, None]}

@@ -368,6 +368,33 @@ def test_adaptive_policy_prefers_long_drafts_when_cheap_and_accurate():
     assert steps == 8 and not bad.keep_going(1, 0.3)
 
 
+def test_adaptive_policy_is_not_misled_by_a_cold_first_round(monkeypatch):
+    """A new session's first calls are slow. Timed, the first (full-length) round makes long
+    verifies look dear, the policy drafts short rounds and never measures a long one again; the
+    warm-up rounds are not timed. Modelled run: keep rate 0.85, a draft step and an extra verified
+    token each cost 5% of a step (best static gamma 6-8), the first round 2.5x slower."""
+    from edgespec import adaptive
+
+    def late_gammas(untimed: int) -> list[int]:
+        monkeypatch.setattr(adaptive, "_UNTIMED_ROUNDS", untimed)
+        policy, rng, gammas = adaptive.AdaptiveGamma(8), np.random.default_rng(0), []
+        for r in range(40):
+            policy.start_round()
+            g = 1
+            while g < 8 and policy.keep_going(g, 0.95):
+                g += 1
+            kept = 0
+            while kept < g and rng.random() < 0.85:
+                kept += 1
+            cold = 2.5 if r == 0 else 1.0
+            policy.update(np.full(g, 0.95), kept, cold * 0.05 * g, cold * (1.0 + 0.05 * g))
+            gammas.append(g)
+        return gammas[-20:]
+
+    assert np.mean(late_gammas(adaptive._UNTIMED_ROUNDS)) >= 4.5
+    assert np.mean(late_gammas(0)) < 3      # timing the cold round: stuck on short drafts
+
+
 def test_adaptive_fixed_drafting_cost_is_not_charged_per_draft():
     """A round's drafting time has a fixed part (setup, a first call over two unseen tokens): the
     marginal cost of one more draft is the fit's slope, so the policy drafts longer than when the

@@ -199,11 +199,41 @@ def test_adaptive_bound_replays_a_greedy_trace(tiny_checkpoints, tmp_path):
         rate = ab.replay(tr, gamma, 0.0, lambda k: 1.0)           # tokens per target call
         n = len(tr[0]["match"])
         assert real.emitted == n and real.target_calls - 1 == round(n / rate), gamma  # prefill call excluded
+    # richer predictors fitted on one trace and replayed on another: the held-out threshold is one
+    # point of the in-sample grid, so it can never beat the in-sample best
+    vocab = eng.manifest.shared_vocab_size
+    cal = ab.trace(eng, [[3, 8, 1, 4], [11, 12, 2], [40, 41]], 30, vocab)
+    rows = ab.predictor_rows(cal, tr, vocab, 0.05, lambda k: 1.0 + 0.1 * (k - 1))
+    assert len(rows) == 3
+    assert all(0 < held <= best * (1 + 1e-12) for _, held, best in rows), rows
     out = tmp_path / "ab"
     assert ab.main([str(bundle), "--out", str(out), "--new-tokens", "16"]) == 0
     data = json.loads((out / "adaptive_bound.json").read_text())
     assert data["best_static_gamma"] in range(1, 11)
     assert all(np.isfinite(v) and v > 0 for v in data["policies"].values())
+
+
+def test_adaptive_bound_logistic_and_auc():
+    """The predictor helpers of benchmarks/adaptive_bound.py: AUC of a perfect, a reversed and a
+    useless score; the logistic fit recovers a known keep probability."""
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("adaptive_bound", Path(__file__).parents[1] / "benchmarks" / "adaptive_bound.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    y = np.array([False, False, True, True])
+    assert ab.auc(np.array([0.1, 0.2, 0.3, 0.4]), y) == 1.0
+    assert ab.auc(np.array([0.4, 0.3, 0.2, 0.1]), y) == 0.0
+    assert ab.auc(np.ones(4), y) == 0.5
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=20000)
+    truth = 1 / (1 + np.exp(-(2 * x - 1)))
+    fit = ab.fit_logistic(np.stack([x, np.ones_like(x)], 1), (rng.random(x.shape) < truth).astype(float))
+    grid = np.linspace(-2, 2, 9)
+    assert np.abs(fit(np.stack([grid, np.ones_like(grid)], 1)) - 1 / (1 + np.exp(-(2 * grid - 1)))).max() < 0.03
 
 
 def test_acceptance_signals_binned_r2_and_collect(tiny_bundle):
@@ -229,3 +259,12 @@ def test_acceptance_signals_binned_r2_and_collect(tiny_bundle):
     assert 0 < data["a"].size <= 2 * 12 * 3 and data["a"].size % 3 == 0 and ((data["a"] >= 0) & (data["a"] <= 1)).all()
     assert ((data["q_x"] > 0) & (data["q_x"] <= data["max_q"] + 1e-12)).all()
     assert mod.main([str(Path("/nonexistent/bundle")), "--out", "unused"]) == 2   # a clean error, no traceback
+
+
+def test_plot_says_when_matplotlib_is_missing(monkeypatch, tmp_path):
+    import sys
+
+    from edgespec.report import plot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib now raises ImportError
+    assert plot([], tmp_path) is None

@@ -25,13 +25,39 @@ def test_stream_json_no_draft_show_drafts(tiny_bundle, capsys):
 
     assert main(["generate", b, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "10", "--json",
                  "--no-draft"]) == 0
-    plain = json.loads(capsys.readouterr().out)
+    cap = capsys.readouterr()
+    plain = json.loads(cap.out, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert plain["ids"] == spec["ids"] and set(plain["sources"]) == {"target"} and not plain["speculative"]
+    assert plain["stats"]["acceptance_rate"] is None      # no drafts: no rate (null, not NaN)
 
     assert main(["generate", b, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "10", "--show-drafts",
                  "--gamma", "auto", "--draft-threads", "1", "--no-spin"]) == 0
     out = capsys.readouterr().out
     assert "\x1b[" not in out  # not a TTY: brackets, no ANSI codes
+
+
+def test_no_draft_needs_only_the_target(bundle_copy, capsys):
+    """Plain decoding reads only the target's files: a broken or missing draft does not stop it
+    (and the draft is still checked when it is used)."""
+    import shutil
+
+    b = bundle_copy()
+    f = b / "draft" / contract.DECODER_FILE
+    f.write_bytes(f.read_bytes()[:1000])
+    argv = ["generate", str(b), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "4"]
+    assert main(argv + ["--no-draft"]) == 0
+    assert "acceptance_rate=n/a" in capsys.readouterr().err
+    _fails(argv, capsys, "truncated")
+    shutil.rmtree(b / "draft")
+    assert main(argv + ["--no-draft"]) == 0
+    _fails(argv, capsys, "missing the draft folder")
+
+
+def test_contradictory_flags(tiny_bundle, capsys):
+    b = str(tiny_bundle("gpt2"))
+    _fails(["generate", b, "--prompt", "x", "--no-draft", "--draft", "ngram"], capsys, "drop --draft ngram")
+    _fails(["generate", b, "--prompt", "x", "--no-draft", "--gamma", "4"], capsys, "--gamma has no effect")
+    _fails(["generate", b, "--prompt", "x", "--platform", "tpu"], capsys, "--runtime xla")
 
 
 def test_seq2seq_generate(tiny_bundle, capsys):
@@ -72,3 +98,19 @@ def test_cli_errors(tmp_path, tiny_bundle, bundle_copy, capsys):
     f = b2 / "target" / contract.ENCODER_FILE
     f.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 1\n")
     _fails(["generate", str(b2), "--prompt", "x"], capsys, "git lfs pull")
+
+
+def test_version_module_entry_and_engine_context(tiny_bundle, capsys):
+    import subprocess
+    import sys
+
+    import edgespec
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"edgespec {edgespec.__version__}"
+    run = subprocess.run([sys.executable, "-m", "edgespec", "--version"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == f"edgespec {edgespec.__version__}"
+    with edgespec.load(tiny_bundle("gpt2"), threads=1) as eng:
+        assert len(eng.generate(PROMPT, max_new_tokens=3, temperature=0).ids) == 3
+    assert len(eng.generate(PROMPT, max_new_tokens=3, temperature=0).ids) == 3  # close() forgets the context, the engine stays usable

@@ -70,6 +70,9 @@ def test_prompt_exactly_at_the_position_limit(engine, tiny_bundle, capsys):
         engine.generate([4] * limit, max_new_tokens=2)
     with pytest.raises(PromptTooLongError, match=f"at most {limit}; shorten it|{limit} positions"):
         engine.generate([4] * (limit + 1), max_new_tokens=1)
+    with pytest.raises(PromptTooLongError, match=f"shorten the prompt so that prompt tokens \\+ max_new_tokens <= {limit + 1}") as e:
+        engine.generate([4] * (limit + 50), max_new_tokens=5)    # no room at all: no "max_new_tokens <= 0" advice
+    assert "at most 0" not in str(e.value)
     b = tiny_bundle("gpt2")
     words = " ".join(["fox"] * limit)
     assert main(gen_argv(b, "--max-new-tokens", "1", "--temperature", "0", "--json", prompt=words)) == 0

@@ -92,6 +92,9 @@ def test_lookahead_warns_when_the_target_leaves_no_core(tiny_bundle, capsys):
         load(bundle, threads=max(1, cores - 1)).generate([5, 9], max_new_tokens=4, drafter="lookahead")
         load(bundle, threads=0).generate([5, 9], max_new_tokens=4)             # the model drafter: no warning
     assert sum(w.category is EdgeSpecWarning for w in seen) == (0 if cores > 1 else 1)  # 1 core: no spare one
-    assert main(["generate", str(bundle), "--prompt", "the cat", "--draft", "lookahead", "--max-new-tokens", "4"]) == 0
+    argv = ["generate", str(bundle), "--prompt", "the cat", "--draft", "lookahead", "--max-new-tokens", "4"]
+    assert main(argv + ["--threads", "0"]) == 0
     err = capsys.readouterr().err
     assert "edgespec generate: warning: drafter='lookahead'" in err and "Traceback" not in err
+    assert main(argv) == 0          # without --threads the CLI leaves a core for the drafting thread
+    assert ("warning" in capsys.readouterr().err) == (cores == 1)
