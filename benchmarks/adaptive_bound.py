@@ -287,9 +287,11 @@ def main(argv=None) -> int:
     rows = [("static gamma " + str(g), v) for g, v in static.items()]
     rows += [(f"adaptive (online, max_gamma {cap})", v) for cap, v in adaptive.items()]
     rows += [(f"best threshold policy, in-sample calibration (threshold {th_best:.2f}, cap {cap_best})", bound)]
+    prefix = 0
     if args.calibration:
         print(f"[adaptive-bound] tracing {args.calibration} held-out corpus prefixes", file=sys.stderr)
-        cal = trace(eng, calibration_prompts(eng, args.calibration), args.new_tokens, vocab)
+        prefix = max(8, min(64, eng.target.max_length + 1 - args.new_tokens))  # prefix + continuation fit the positions
+        cal = trace(eng, calibration_prompts(eng, args.calibration, prefix), args.new_tokens, vocab)
         for name, held_out, in_sample in predictor_rows(cal, tr, vocab, t_draft, t_target):
             rows += [(f"threshold policy, {name}, fitted on held-out text", held_out),
                      ("  same predictor, best in-sample threshold", in_sample)]
@@ -298,7 +300,7 @@ def main(argv=None) -> int:
              f"t_draft {t_draft * 1e3:.3f} ms, t_target(1) {t_target(1) * 1e3:.2f} ms, +{slope * 1e3:.3f} ms per extra "
              f"verified token; greedy keep rate along the target's output {match.mean():.3f}."
              + (f" Predictors fitted on the target's greedy continuations ({args.new_tokens} tokens) of {args.calibration} "
-                "64-token prefixes of held-out corpus text." if args.calibration else ""), "",
+                f"{prefix}-token prefixes of held-out corpus text." if args.calibration else ""), "",
              "| policy | modelled tok/s | vs plain | vs best static gamma |", "|---|---|---|---|"]
     lines += [f"| {name} | {v:.0f} | {v / plain:.2f}x | {v / static[best_g]:.3f} |" for name, v in rows]
     lines += ["", "keep rate by draft-confidence bin: " + ", ".join(
@@ -309,7 +311,7 @@ def main(argv=None) -> int:
         "machine": machine_description(), "bundle": str(args.bundle), "threads": args.threads,
         "t_draft_s": t_draft, "t_target_s": {str(k): v for k, v in tt_meas.items()}, "plain_tok_s": plain,
         "policies": {name: v for name, v in rows}, "best_static_gamma": best_g,
-        "calibration_prefixes": args.calibration, "keep_by_bin": keep.tolist(),
+        "calibration_prefixes": args.calibration, "calibration_prefix_tokens": prefix, "keep_by_bin": keep.tolist(),
         "command": " ".join(sys.argv)})
     print("\n".join(lines))
     return 0

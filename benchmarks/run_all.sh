@@ -62,7 +62,7 @@ edgespec bench "$small" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --r
   edgespec export --target "$pair/target" --draft "$pair/draft" --out "$pair/bundles/pair-draft-optimum" --graph optimum --overwrite --quiet
 python benchmarks/graphs.py --static "$pair_bundle" --concat "$pair/bundles/pair-draft-optimum" --out "$out/graphs"
 # 3. what a draft-length policy can gain at greedy (static sweep, adaptive, best threshold, oracle)
-python benchmarks/adaptive_bound.py "$large" --out "$out/adaptive-bound"
+python benchmarks/adaptive_bound.py "$large" --out "$out/adaptive-bound" --calibration 70
 # 4. the paper's tables 2-5 and figure 3
 python benchmarks/paper_tables.py --pair "$pair" --draft distilled="$pair/distilled" --draft distilled-large2="$pair/distilled-large2" --gammas 2,4,6 --repeats 3 --out "$out/tables"
 # 5. peers side by side (onnxruntime-genai runs the same bundle's graphs)
