@@ -156,14 +156,6 @@ def _check_model_fields(role, m: ModelManifest) -> None:
         raise TypeError(f"{role}.validation must be an object, got {m.validation!r:.60}")
 
 
-def usual_permissions(path: str | os.PathLike) -> None:
-    """Give a file or folder made by ``tempfile`` (private: 0600 / 0700) the permissions a plain
-    ``open`` or ``mkdir`` would have given it under the current umask, before it is renamed into place."""
-    mask = os.umask(0o022)  # reading the umask means setting it: restore it at once
-    os.umask(mask)
-    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
-
-
 def write_manifest(folder: Path, manifest: BundleManifest) -> Path:
     """Write edgespec.json through a temporary file + fsync + rename: never a half-written manifest."""
     path = Path(folder) / contract.MANIFEST_NAME

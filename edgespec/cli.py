@@ -4,9 +4,12 @@ that ``edgespec generate`` never imports torch. A module exposes ``add_arguments
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
+import signal
 import sys
+import threading
 import warnings
 
 from .errors import EdgeSpecError
@@ -25,14 +28,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The top-level parser; ``parser.commands`` maps each command to its own parser."""
     from . import __version__
 
     parser = argparse.ArgumentParser(prog="edgespec", description="Exact speculative decoding for edge and accelerator hardware.")
     parser.add_argument("--version", action="version", version=f"edgespec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     wanted = next((a for a in argv if not a.startswith("-")), None)
+    parser.commands = {}
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = parser.commands[name] = sub.add_parser(name, help=help_text, description=help_text)
         if name == wanted:  # import only the module of the command being run
             importlib.import_module(module).add_arguments(p)
     return parser
@@ -41,7 +46,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage line, not the top-level one
+        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2
@@ -51,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgespec {args.command}: warning: {message}", file=sys.stderr)
 
     shown, warnings.showwarning = warnings.showwarning, show
+    # SIGTERM (docker stop, systemd, CI timeouts) unwinds like Ctrl-C, so temporary folders are removed.
+    terminate = threading.current_thread() is threading.main_thread()
+    if terminate:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return int(module.run(args) or 0)
     except EdgeSpecError as exc:
@@ -59,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"edgespec {args.command}: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print(f"edgespec {args.command}: terminated", file=sys.stderr)
+        return 143
     except BrokenPipeError:
         # the reader went away (`edgespec generate ... | head`): stop quietly, as Unix tools do
         try:
@@ -66,8 +80,28 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 141
+    except OSError as exc:
+        if exc.errno not in _USER_FIXABLE_ERRNOS:
+            raise
+        # a file the user named cannot be read or written: say which, without a traceback
+        print(f"edgespec {args.command}: error: {exc.strerror}: {exc.filename!r}; check the path, its permissions "
+              "and the free space", file=sys.stderr)
+        return 2
     finally:
         warnings.showwarning = shown
+        if terminate:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """Raised by the SIGTERM handler; a BaseException so that no ``except Exception`` stops it."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+_USER_FIXABLE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 if __name__ == "__main__":

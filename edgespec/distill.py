@@ -15,6 +15,7 @@ processed distributions (temperature 0: one-hot argmax; otherwise softmax(logits
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -24,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from . import contract
 from .errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError
+from .outputs import check_replaceable, check_writable, usual_permissions
 
 MODES = ("mix", "kl", "tv")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -120,6 +123,17 @@ def check_hf_folder(folder: Path, role: str = "target") -> None:
                 "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True)"
             )
         raise CheckpointError(f"{role} folder {folder} has no model.safetensors; save the model with safe_serialization=True")
+    from .export.checkpoint import SUPPORTED_ARCHITECTURES, check_safetensors
+
+    check_safetensors(sorted(folder.glob("*.safetensors")), role)
+    try:
+        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{folder / 'config.json'} is not a JSON object ({str(exc)[:100]}); restore the model's config.json") from exc
+    if SUPPORTED_ARCHITECTURES.get(model_type, contract.KIND_DECODER) != contract.KIND_DECODER:
+        decoders = sorted(k for k, v in SUPPORTED_ARCHITECTURES.items() if v == contract.KIND_DECODER)
+        raise CheckpointError(f"{role} folder {folder} holds a {model_type!r} model; distill trains drafts for "
+                              f"decoder-only targets ({', '.join(decoders)})")
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise CheckpointError(
             f"{role} folder {folder} has no tokenizer (tokenizer.json); the draft must share the target's tokenizer. "
@@ -142,7 +156,8 @@ def load_target(folder: Path):
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, dtype=torch.float32)
     except Exception as exc:
-        raise CheckpointError(f"cannot load the target model in {folder}: {exc}") from exc
+        raise CheckpointError(f"cannot load the target model in {folder} ({str(exc).strip()[:300]}); check that "
+                              "config.json belongs to these weights, or save the checkpoint again") from exc
     model.eval()
     return model, tok
 
@@ -322,6 +337,8 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
         raise InvalidArgumentError(f"generated must be a fraction in [0, 1]; got {generated!r}")
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"output folder {out_dir} exists; choose another --out or pass --overwrite")
+    check_replaceable(out_dir, "distill.json", "a distilled draft")
+    check_writable(out_dir)
     try:
         if out_dir.resolve().is_relative_to(target_dir.resolve()):
             raise OutputExistsError(f"output folder {out_dir} lies inside the target folder {target_dir}; write elsewhere")
@@ -425,6 +442,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             if (target_dir / name).is_file():
                 shutil.copyfile(target_dir / name, tmp / name)
         _write_json_atomic(report, tmp / "distill.json")
+        usual_permissions(tmp, recursive=True)  # safetensors writes the weights 0600
         if out_dir.exists():
             trash = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.replace(out_dir, trash)

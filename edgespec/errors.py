@@ -56,6 +56,10 @@ class OutputExistsError(EdgeSpecError):
     """The output folder exists (or lies inside an input folder)."""
 
 
+class OutputPathError(EdgeSpecError):
+    """The output cannot be written there (permissions, a read-only file system)."""
+
+
 class ProviderError(EdgeSpecError):
     """An execution provider or platform that was asked for is not available."""
 

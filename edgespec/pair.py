@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
+from .outputs import check_replaceable, check_writable, usual_permissions
 
 FORMAT_VERSION = 1
 
@@ -437,6 +438,8 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
         dest = Path(out).expanduser()
         if dest.exists() and not overwrite:
             raise OutputExistsError(f"output folder {dest} exists; choose another --out or pass --overwrite")
+        check_replaceable(dest, "pair.json", "a trained pair")
+    check_writable(dest)
     dest = dest.absolute()
     work = dest.with_name(dest.name + ".work")
     ident = _identity(p, seed, c.description)
@@ -549,6 +552,7 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
             (work / name).unlink(missing_ok=True)
         _write_json_atomic(meta, work / "pair.json")
         (work / ".lock").unlink(missing_ok=True)
+        usual_permissions(work, recursive=True)  # safetensors writes the weights 0600
         if dest.exists():  # --overwrite: move the old folder aside, then swap
             trash = dest.with_name(dest.name + f".old-{os.getpid()}")
             os.replace(dest, trash)

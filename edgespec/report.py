@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from . import theory
-from .bundle import usual_permissions
+from .outputs import usual_permissions
 
 
 def machine_description() -> dict:

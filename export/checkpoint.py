@@ -78,4 +78,23 @@ def inspect_checkpoint(path: str | Path, role: str) -> Checkpoint:
                 "(model.save_pretrained(folder, safe_serialization=True)) and export again"
             )
         raise CheckpointError(f"{role} checkpoint {str(folder)!r} has no *.safetensors weights; save the model with safe_serialization=True")
+    check_safetensors(safetensors, role)
     return Checkpoint(path=folder, config=config, model_type=model_type, kind=SUPPORTED_ARCHITECTURES[model_type])
+
+
+def check_safetensors(files: list[Path], role: str) -> None:
+    """Each weights file must be a complete safetensors file (its header is read, no tensor is):
+    a truncated copy or a Git LFS pointer fails here, before any export work, not halfway through."""
+    from safetensors import safe_open
+
+    for f in files:
+        with open(f, "rb") as fh:
+            head = fh.read(64)
+        if head.startswith(b"version https://git-lfs"):
+            raise CheckpointError(f"{role} weights {str(f)!r} are a Git LFS pointer, not the file; run `git lfs pull`")
+        try:
+            with safe_open(str(f), framework="np") as h:
+                h.keys()
+        except Exception as exc:  # safetensors raises its own SafetensorError (not an OSError)
+            raise CheckpointError(f"{role} weights {str(f)!r} cannot be read ({str(exc)[:160]}): the file is truncated "
+                                  "or corrupt; copy or save the checkpoint again") from exc

@@ -71,7 +71,15 @@ def run(args: argparse.Namespace) -> int:
         graph=args.graph,
     )
     xla = None
-    if "xla" in args.format:
+    if "xla" not in args.format:
+        given = [f for f, v in (("--platforms", args.platforms != "cpu"),
+                                ("--max-length", args.max_length is not None),
+                                ("--verify-width", args.verify_width is not None),
+                                ("--prefill-buckets", args.prefill_buckets is not None),
+                                ("--max-source-length", args.max_source_length is not None)) if v]
+        if given:
+            raise InvalidArgumentError(f"{', '.join(given)} only apply to XLA artifacts; add --format onnx+xla or drop them")
+    else:
         try:
             import jax  # noqa: F401
         except ImportError:
@@ -81,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
                    verify_width=vw, prefill_buckets=args.prefill_buckets, max_source_length=args.max_source_length)
     manifest = export_bundle(target, args.out, draft=args.draft, options=options,
                              progress=None if args.quiet else _stderr_progress, xla=xla)
-    roles = ", ".join(f"{r}={m.architecture} ({m.quantization})" for r, m in manifest.models.items())
-    print(f"wrote bundle {args.out}: {roles}; shared vocab {manifest.shared_vocab_size}")
+    roles = ", ".join(f"{r}={m.architecture} ({m.dtype if m.quantization == 'none' else m.quantization})"
+                      for r, m in manifest.models.items())
+    vocab = f"; shared vocab {manifest.shared_vocab_size}" if manifest.draft is not None else ""
+    print(f"wrote bundle {args.out}: {roles}{vocab}")
     return 0

@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 
 from edgespec import contract
+from edgespec.errors import CheckpointError
 
 from .checkpoint import Checkpoint
 
@@ -27,7 +28,11 @@ def load_torch_model(ckpt: Checkpoint):
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     cls = AutoModelForSeq2SeqLM if ckpt.kind == contract.KIND_SEQ2SEQ else AutoModelForCausalLM
-    model = cls.from_pretrained(str(ckpt.path), use_safetensors=True, local_files_only=True, dtype=torch.float32)
+    try:
+        model = cls.from_pretrained(str(ckpt.path), use_safetensors=True, local_files_only=True, dtype=torch.float32)
+    except (RuntimeError, ValueError, OSError, KeyError) as exc:  # e.g. "size mismatch for ...": config vs weights
+        raise CheckpointError(f"cannot load the model in {str(ckpt.path)!r} ({str(exc).strip()[:300]}); check that "
+                              "config.json belongs to these weights, or save the checkpoint again") from exc
     return model.eval()
 
 

@@ -15,15 +15,17 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
 from edgespec import contract
-from edgespec.bundle import (PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, usual_permissions,
-                             write_manifest)
-from edgespec.errors import DiskFullError, InvalidArgumentError, OutputExistsError, UnsupportedArchitectureError
+from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
+from edgespec.errors import (DiskFullError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError,
+                             UnsupportedArchitectureError)
+from edgespec.outputs import check_replaceable, check_writable, usual_permissions
 
 from . import graph_info, static_kv, validate
 from .checkpoint import Checkpoint, inspect_checkpoint
@@ -84,8 +86,11 @@ def check_output(out: Path, inputs: list[Path], overwrite: bool) -> Path:
             raise OutputExistsError(f"input checkpoint {str(src)!r} lies inside the output folder {str(out)!r}; choose another output folder")
     if dest.exists() and not dest.is_dir():
         raise OutputExistsError(f"output {str(out)!r} exists and is not a folder; choose another path")
-    if dest.is_dir() and any(dest.iterdir()) and not overwrite and not _is_stale_partial(dest):
-        raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; choose another path or pass --overwrite")
+    if dest.is_dir() and any(dest.iterdir()) and not _is_stale_partial(dest):
+        if not overwrite:
+            raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; choose another path or pass --overwrite")
+        check_replaceable(dest, contract.MANIFEST_NAME, "an edgespec bundle")
+    check_writable(dest)
     return dest
 
 
@@ -203,7 +208,8 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
         validation=record,
         kv_layout=layout,
     )
-    progress(f"{role}: done in {time.perf_counter() - t0:.1f}s (max abs diff {record['fp32']['max_abs_diff']:.2e})")
+    diffs = ", ".join(f"{k} {v['max_abs_diff']:.2e}" for k, v in record.items())
+    progress(f"{role}: done in {time.perf_counter() - t0:.1f}s (max abs diff vs PyTorch: {diffs})")
     return manifest, opset
 
 
@@ -236,6 +242,10 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
                 f"target is {t.kind} ({t.model_type}) but draft is {d.kind} ({d.model_type}); both must be "
                 "decoder-only or both encoder-decoder: pick a draft of the target's family"
             )
+        if t.path.resolve() == d.path.resolve():
+            warnings.warn("the draft is the target itself: every draft token is kept, but each costs a full target "
+                          "step, so speculation is slower than plain decoding; pass a smaller draft",
+                          EdgeSpecWarning, stacklevel=2)
     layouts = {role: _kv_layout(ckpt, options) for role, ckpt in roles.items()}  # --graph refusals, before any loading
     dest = check_output(Path(out), [c.path for c in roles.values()], options.overwrite)
 
@@ -250,7 +260,6 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         _remove_stale_partials(dest)
         _check_free_space(dest.parent, roles, xla is not None)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
-        usual_permissions(tmp)  # mkdtemp makes it private (0700); the bundle is shared like any folder
     except OSError as exc:
         raise _as_disk_full(exc, dest.parent, roles) or exc
     try:
@@ -284,6 +293,7 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         )
         write_manifest(tmp, manifest)
         load_bundle(tmp, allow_partial=True)  # the reader must accept what the writer wrote
+        usual_permissions(tmp, recursive=True)  # mkdtemp (0700), onnx's external data and XLA weights (0600)
         progress(f"writing {dest}")
         if dest.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))

@@ -42,9 +42,10 @@ def shared_vocab(target_vocab: dict[str, int], draft_vocab: dict[str, int], targ
         t_items, d_items = set(target_vocab.items()), set(draft_vocab.items())
         only_t = sorted(t_items - d_items, key=lambda kv: kv[1])[:5]
         only_d = sorted(d_items - t_items, key=lambda kv: kv[1])[:5]
+        examples = "; ".join(f"{who}-only e.g. {ex}" for who, ex in (("target", only_t), ("draft", only_d)) if ex)
         raise TokenizerMismatchError(
             f"draft and target tokenizers differ ({len(t_items ^ d_items)} differing token/id entries; "
-            f"target-only e.g. {only_t}, draft-only e.g. {only_d}); speculative decoding needs the same "
+            f"{examples}); speculative decoding needs the same "
             "tokenizer: pick a draft from the same model family (or distill one with `edgespec distill`)"
         )
     size = tokenizer_size(target_vocab)

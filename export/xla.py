@@ -28,6 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgespec.errors import InvalidArgumentError, OutputExistsError
+from edgespec.outputs import usual_permissions
 
 FORMAT = "edgespec-xla"
 FORMAT_VERSION = 1
@@ -160,7 +161,7 @@ def export_xla(
                  (p_avals, kv_aval, jax.ShapeDtypeStruct((k,), i32), scalar))
 
     save_file(params, str(dest / WEIGHTS), metadata={"format": FORMAT})
-    (dest / WEIGHTS).chmod(0o644)
+    usual_permissions(dest / WEIGHTS)  # safetensors writes 0600
     shutil.copyfile(checkpoint_dir / "config.json", dest / "config.json")
 
     import jaxlib

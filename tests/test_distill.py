@@ -164,9 +164,24 @@ def test_bad_targets(target, corpus, tmp_path):
     (pickled / "pytorch_model.bin").write_bytes(b"not a real pickle; never loaded")
     with pytest.raises(CheckpointError, match="pickle"):
         distill(pickled, tmp_path / "o", **kw)
+    seq2seq = tmp_path / "t5"
+    shutil.copytree(target, seq2seq)
+    cfg = json.loads((seq2seq / "config.json").read_text())
+    (seq2seq / "config.json").write_text(json.dumps({**cfg, "model_type": "t5"}))
+    with pytest.raises(CheckpointError, match="holds a 't5' model; distill trains drafts for decoder-only targets"):
+        distill(seq2seq, tmp_path / "o", **kw)
+    cut = tmp_path / "cut"
+    shutil.copytree(target, cut)
+    (cut / "model.safetensors").write_bytes((target / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        distill(cut, tmp_path / "o", **kw)
     (tmp_path / "taken").mkdir()
     with pytest.raises(OutputExistsError, match="--overwrite"):
         distill(target, tmp_path / "taken", **kw)
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match="replaces only a distilled draft"):
+        distill(target, tmp_path / "taken", overwrite=True, **kw)
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     with pytest.raises(TrainingError, match="no text"):

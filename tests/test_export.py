@@ -147,8 +147,52 @@ def test_output_exists_and_overwrite(tiny_checkpoints, tmp_path, capsys):
         export_bundle(target, out, progress=None)
     assert (out / "keep.txt").exists()
     _cli_fails(["export", "--model", str(target), "--out", str(out)], capsys, "not empty")
-    export_bundle(target, out, options=ExportOptions(overwrite=True), progress=None)
-    assert (out / contract.MANIFEST_NAME).is_file() and not (out / "keep.txt").exists()
+    # --overwrite replaces a bundle, never a folder of other files
+    with pytest.raises(OutputExistsError, match="not an edgespec bundle"):
+        export_bundle(target, out, options=ExportOptions(overwrite=True), progress=None)
+    _cli_fails(["export", "--model", str(target), "--out", str(out), "--overwrite"], capsys, "replaces only an edgespec bundle")
+    assert (out / "keep.txt").read_text() == "x"
+    bundle = tmp_path / "bundle"
+    export_bundle(target, bundle, progress=None)
+    (bundle / "stale.txt").write_text("old")
+    export_bundle(target, bundle, options=ExportOptions(overwrite=True), progress=None)
+    assert (bundle / contract.MANIFEST_NAME).is_file() and not (bundle / "stale.txt").exists()
+
+
+def test_corrupt_or_mismatched_weights_fail_before_any_work(tiny_checkpoints, tmp_path, capsys):
+    """A truncated or empty safetensors file is found by reading its header, before the target is
+    exported; a config.json that does not match the weights is a typed error, not a traceback."""
+    target, draft = tiny_checkpoints("llama")
+    for name, cut in (("half", 0.5), ("empty", 0.0)):
+        bad = tmp_path / name
+        shutil.copytree(draft, bad)
+        w = bad / "model.safetensors"
+        w.write_bytes(w.read_bytes()[: int(w.stat().st_size * cut)])
+        out = tmp_path / f"o-{name}"
+        steps = []
+        with pytest.raises(CheckpointError, match="truncated or corrupt"):
+            export_bundle(target, out, draft=bad, progress=steps.append)
+        assert steps == [] and _nothing_written(out)
+        _cli_fails(["export", "--target", str(target), "--draft", str(bad), "--out", str(out)], capsys, str(w))
+    wrong = tmp_path / "wrong-config"
+    shutil.copytree(draft, wrong)
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["hidden_size"] *= 2
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    _cli_fails(["export", "--model", str(wrong), "--out", str(tmp_path / "o-wrong")], capsys, "config.json belongs to these weights")
+    assert _nothing_written(tmp_path / "o-wrong")
+
+
+def test_unwritable_output_and_xla_flags(tiny_checkpoints, tmp_path, monkeypatch, capsys):
+    import os
+
+    target, _ = tiny_checkpoints("gpt2")
+    _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o"), "--max-length", "64"], capsys,
+               "--max-length only apply to XLA artifacts")
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
+    _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o" / "b")], capsys, "is not a writable folder")
+    assert _nothing_written(tmp_path / "o")
 
 
 def test_output_inside_input(tiny_checkpoints, tmp_path):
@@ -198,3 +242,11 @@ def test_mixed_kinds_refused(tiny_checkpoints, tmp_path):
     t5, _ = tiny_checkpoints("t5")
     with pytest.raises(UnsupportedArchitectureError, match="decoder-only"):
         export_bundle(target, tmp_path / "o", draft=t5, progress=None)
+
+
+def test_target_as_its_own_draft_warns(tiny_checkpoints, tmp_path):
+    from edgespec.errors import EdgeSpecWarning
+
+    target, _ = tiny_checkpoints("gpt2")
+    with pytest.warns(EdgeSpecWarning, match="the draft is the target itself"):
+        export_bundle(target, tmp_path / "self", draft=target, progress=None)

@@ -114,3 +114,38 @@ def test_version_module_entry_and_engine_context(tiny_bundle, capsys):
     with edgespec.load(tiny_bundle("gpt2"), threads=1) as eng:
         assert len(eng.generate(PROMPT, max_new_tokens=3, temperature=0).ids) == 3
     assert len(eng.generate(PROMPT, max_new_tokens=3, temperature=0).ids) == 3  # close() forgets the context, the engine stays usable
+
+
+def test_cli_sigterm_oserror_and_unknown_flags(monkeypatch, capsys):
+    """SIGTERM unwinds like Ctrl-C (exit 143, one line); an unreadable or unwritable path named by
+    the user is one line, exit 2; an unknown flag prints the command's usage, not the top level's."""
+    import errno
+    import os
+    import signal
+    import time
+
+    import edgespec.theory as theory
+
+    def killed(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not interrupt")
+
+    monkeypatch.setattr(theory, "run", killed)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["plan", "--alpha", "0.8", "--c", "0.05"]) == 143
+    assert capsys.readouterr().err.strip() == "edgespec plan: terminated"
+    assert signal.getsignal(signal.SIGTERM) is before              # handler restored
+
+    def denied(args):
+        raise PermissionError(errno.EACCES, "Permission denied", "/srv/models/out")
+
+    monkeypatch.setattr(theory, "run", denied)
+    assert main(["plan", "--alpha", "0.8", "--c", "0.05"]) == 2
+    err = capsys.readouterr().err
+    assert "Permission denied: '/srv/models/out'" in err and "Traceback" not in err
+
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--alpha", "0.8", "--c", "0.05", "--force"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "usage: edgespec plan" in err and "unrecognized arguments: --force" in err
