@@ -318,4 +318,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edgespec.cli import run_script
+
+    sys.exit(run_script(main, "adaptive_bound.py"))

@@ -153,7 +153,7 @@ class GenaiPeer:
 
 
 def _args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True)
     ap.add_argument("--prompt-ids-file", type=Path, help="JSON list of prompts, each a list of token ids")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -222,4 +222,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edgespec.cli import run_script
+
+    sys.exit(run_script(main, "genai_peer.py"))

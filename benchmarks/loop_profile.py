@@ -24,7 +24,7 @@ PARTS = ("prefill_s", "draft_s", "target_s", "sample_s")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle", type=Path)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--gamma", type=int, default=5)
@@ -51,4 +51,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edgespec.cli import run_script
+
+    sys.exit(run_script(main, "loop_profile.py"))

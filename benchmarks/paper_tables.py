@@ -84,7 +84,7 @@ def teacher_forced_probs(backend, ids: list[int], vocab: int, sampling: Sampling
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", type=Path, required=True, help="pair folder from `edgespec train-pair` (target/, draft/)")
     ap.add_argument("--draft", action="append", default=[], help="extra model draft NAME=DIR (repeatable)")
     ap.add_argument("--out", type=Path, required=True)
@@ -236,4 +236,6 @@ def plot_figure3(rows: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edgespec.cli import run_script
+
+    sys.exit(run_script(main, "paper_tables.py"))

@@ -166,7 +166,7 @@ def genai_runner(bundle: Path, threads: int = 1, draft_threads: int = 1):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", type=Path, required=True)
     ap.add_argument("--bundle", type=Path, default=None, help="exported bundle of the pair (default <pair>/bundle)")
     ap.add_argument("--draft-dir", type=Path, default=None,
@@ -253,4 +253,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edgespec.cli import run_script
+
+    sys.exit(run_script(main, "peers.py"))

@@ -20,7 +20,7 @@ from edgespec.report import machine_description, write_json
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--gamma", type=int, default=4)
@@ -64,4 +64,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edgespec.cli import run_script
+
+    sys.exit(run_script(main, "runtimes.py"))

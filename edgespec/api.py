@@ -411,6 +411,15 @@ class Engine:
             self.draft.free()
 
 
+def default_target_threads(lookahead: bool) -> int:
+    """The CLI's default target threads: ORT's (0), or with the lookahead drafter all cores but one
+    (its drafting thread needs a core of its own)."""
+    if not lookahead:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def _warn_if_no_spare_core(threads: int | None) -> None:
     """The lookahead drafter's worker needs a core the target leaves free."""
     if threads is None:

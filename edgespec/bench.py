@@ -26,6 +26,7 @@ class OpenedBundle:
     tokenizer: object
     manifest: object
     runtime: str
+    verify_width: int | None = None  # most tokens one target call takes (XLA artifacts); None: any
 
 
 def kv_bytes_per_token(model) -> int:
@@ -35,12 +36,13 @@ def kv_bytes_per_token(model) -> int:
 
 
 def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), threads: int = 0,
-                draft_threads: int | None = 1, spinning: bool | None = None, engine=None) -> OpenedBundle:
+                draft_threads: int | None = 1, spinning: bool | None = None, engine=None,
+                platform: str | None = None) -> OpenedBundle:
     """Wrap the backends of ``engine`` (an already loaded Engine) or of a newly loaded one."""
     from .api import load
 
     eng = engine or load(bundle, providers=providers, threads=threads, draft_threads=draft_threads,
-                         spinning=spinning, runtime=runtime)
+                         spinning=spinning, runtime=runtime, platform=platform)
     target, draft, tokenizer, manifest = eng.target, eng.draft, eng.tokenizer, eng.manifest
     t = manifest.target
     wrap_t = ReadCounter(target, int(t.parameter_bytes.get("per_forward", t.parameter_bytes.get("total", 0))),
@@ -50,7 +52,7 @@ def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), t
         d = manifest.draft
         wrap_d = ReadCounter(draft, int(d.parameter_bytes.get("per_forward", d.parameter_bytes.get("total", 0))),
                              kv_bytes_per_token(d))
-    return OpenedBundle(wrap_t, wrap_d, tokenizer, manifest, runtime)
+    return OpenedBundle(wrap_t, wrap_d, tokenizer, manifest, runtime, eng.verify_width())
 
 
 def _parse_list(text: str, cast, name: str) -> list:
@@ -82,6 +84,7 @@ def build_grid(gammas, temperatures, top_k: int, top_p: float, lenience, drafts)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder written by `edgespec export` (target + draft)")
     p.add_argument("--runtime", choices=("onnx", "xla"), default="onnx")
+    p.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, tpu (--runtime xla; default: JAX's default)")
     p.add_argument("--gammas", default="1,2,4,6,8,auto", help="comma list; 'auto' = adaptive (default 1,2,4,6,8,auto)")
     p.add_argument("--temperatures", default="0,1", help="comma list; 0 = greedy (default 0,1)")
     p.add_argument("--top-k", type=int, default=0)
@@ -95,7 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=5, help="measured repeats after one warm-up (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--provider", default="cpu", help="execution providers, comma list in priority order")
-    p.add_argument("--threads", type=int, default=0, help="target intra-op threads (0 = ORT default)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="target intra-op threads (0 = ORT default; default 0, or with the lookahead drafter in "
+                        "--draft all cores but one, for every setting alike)")
     p.add_argument("--draft-threads", type=int, default=1, help="draft intra-op threads (default 1)")
     p.add_argument("--spin", choices=("on", "off", "default"), default="default",
                    help="ORT thread spin-waiting (default: ORT's, on; it only matters with more than one thread)")
@@ -116,6 +121,9 @@ def read_prompts(path: Path | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .api import DEFAULT_MAX_GAMMA, _warn_if_no_spare_core, default_target_threads
+    from .outputs import check_writable
+
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise InvalidArgumentError("--repeats and --max-new-tokens must be >= 1")
     grid = build_grid(_parse_list(args.gammas, _gamma, "gammas"), _parse_list(args.temperatures, float, "temperatures"),
@@ -124,8 +132,29 @@ def run(args: argparse.Namespace) -> int:
     for s in grid:
         if s.draft not in ("model", "ngram", "lookahead"):
             raise InvalidArgumentError(f"--draft takes model, ngram and/or lookahead; got {s.draft!r}")
+    if args.platform is not None and args.runtime != "xla":
+        raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
+    if args.out is not None:   # before the measurement, not after it
+        if args.out.exists() and not args.out.is_dir():
+            raise InvalidArgumentError(f"--out {str(args.out)!r} is a file; give a folder for bench.json")
+        check_writable(args.out / "bench.json")
+    lookahead = any(s.draft == "lookahead" for s in grid)
+    threads = default_target_threads(lookahead) if args.threads is None else args.threads
     spin = {"on": True, "off": False, "default": None}[args.spin]
-    ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), args.threads, args.draft_threads, spin)
+    ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), threads, args.draft_threads, spin,
+                     platform=args.platform)
+    if lookahead:
+        _warn_if_no_spare_core(threads)
+    max_gamma = DEFAULT_MAX_GAMMA
+    if ob.verify_width is not None:
+        # a round feeds the pending token + gamma drafts in one target call: gamma + 1 <= width
+        too_wide = [s.gamma for s in grid if s.gamma is not None and s.gamma > ob.verify_width - 1]
+        if too_wide:
+            raise InvalidArgumentError(
+                f"--gammas {max(too_wide)} exceeds what this bundle's XLA artifacts verify in one call (verify_width="
+                f"{ob.verify_width}, so gamma <= {ob.verify_width - 1}); lower it or re-export with "
+                f"`--verify-width {max(too_wide) + 1}`")
+        max_gamma = min(max_gamma, ob.verify_width - 1)
     if ob.draft is None and any(s.draft != "ngram" for s in grid):
         raise InvalidArgumentError(f"{args.bundle} has no draft model; export one with --draft, or use --draft ngram")
     prompts = [ob.tokenizer.encode(p).ids for p in read_prompts(args.prompts)]
@@ -135,18 +164,21 @@ def run(args: argparse.Namespace) -> int:
     # they can be compared with each other too (adaptive vs static gamma below).
     results = run_settings(ob.target, ob.draft, prompts, grid, args.max_new_tokens, args.repeats, warmup=1,
                            eos_token_ids=tuple(ob.manifest.target.eos_token_ids), seed=args.seed, progress=log,
-                           vocab_size=ob.manifest.shared_vocab_size)
+                           vocab_size=ob.manifest.shared_vocab_size, max_gamma=max_gamma)
     rows = [r.summary() for r in results]
     print(format_table(rows))
     versus = adaptive_vs_static(results)
     for v in versus:
         lo, hi = v["iqr"]
+        iqr = f"[{lo:.3f}-{hi:.3f}]" if lo == lo and hi == hi else "[---]"  # one repeat: no spread
         print(f"T={v['temperature']:g} {v['draft']}: adaptive gamma / best static gamma ({v['best_static_gamma']}) "
-              f"= {v['adaptive_over_best_static']:.3f} [{lo:.3f}-{hi:.3f}] (speculative tokens/s, same run)")
+              f"= {v['adaptive_over_best_static']:.3f} {iqr} (speculative tokens/s, same run)")
     note = hardware_counters_note()
     print(note)
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
-               "providers": args.provider, "threads": args.threads, "draft_threads": args.draft_threads,
+               "providers": args.provider, "threads": threads, "draft_threads": args.draft_threads,
+               "platform": args.platform, "verify_width": ob.verify_width,
+               "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
                "spin": args.spin, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
                "hardware_counters": note, "results": rows, "adaptive_vs_static": versus,

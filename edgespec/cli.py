@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import warnings
+from typing import Callable
 
 from .errors import EdgeSpecError
 
@@ -91,6 +92,19 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = shown
         if terminate:
             signal.signal(signal.SIGTERM, previous)
+
+
+def run_script(main: Callable[[], int | None], name: str) -> int:
+    """Run a script's ``main`` (benchmarks/*.py) with the CLI's handling of errors: an EdgeSpecError
+    is one line and its exit code, Ctrl-C is 130, no traceback."""
+    try:
+        return int(main() or 0)
+    except EdgeSpecError as exc:
+        print(f"{name}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
 
 
 class _Terminated(BaseException):

@@ -72,7 +72,13 @@ def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> st
         if src in _ANSI and piece:
             lead = piece[: len(piece) - len(piece.lstrip())]
             body = piece[len(lead):]
+            if not body:  # a whitespace-only token (a newline, an indent): mark it visibly, keep the layout
+                lead, body = "", piece.encode("unicode_escape").decode("ascii")
+                piece_end = "\n" if piece.endswith("\n") else ""
+            else:
+                piece_end = ""
             piece = lead + (f"{_ANSI[src]}{body}\x1b[0m" if color else f"{_BRACKETS[src][0]}{body}{_BRACKETS[src][1]}")
+            piece += piece_end
         parts.append(piece)
     return "".join(parts)
 
@@ -89,15 +95,12 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .api import load
+    from .api import default_target_threads, load
     from .report import json_safe
 
     _check_flags(args)
     spin = False if args.no_spin else None
-    threads = args.threads
-    if threads is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores - 1) if args.draft == "lookahead" else 0
+    threads = default_target_threads(args.draft == "lookahead") if args.threads is None else args.threads
     engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=threads,
                   draft_threads=args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",

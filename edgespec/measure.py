@@ -106,7 +106,10 @@ class SettingResult:
                 hist.extend([0] * (n + 1 - len(hist)))
                 hist[n] += k
         tokens_per_round = sum(s.round_tokens for s in self.stats) / rounds if rounds else float("nan")
-        g = self.setting.gamma if self.setting.gamma is not None else max(1, round(mean_gamma))
+        # the theory column assumes gamma drafts every round: for adaptive gamma and for prompt lookup
+        # (which proposes only what it finds) the mean drafted per round stands in for it
+        g = self.setting.gamma if self.setting.gamma is not None and self.setting.draft != "ngram" \
+            else max(1, round(mean_gamma))
         ok = 0 <= alpha <= 1 and c == c
         # Theorem 3.8 assumes a verify call of g + 1 tokens costs one target step. V is what it
         # cost here (mean verify call / mean plain step, both measured in this run), so the
@@ -155,7 +158,7 @@ def _med(xs: Sequence[float]) -> float:
 def _iqr(xs: Sequence[float]) -> list[float]:
     if len(xs) < 2:
         return [float("nan"), float("nan")]
-    q = statistics.quantiles(xs, n=4)
+    q = statistics.quantiles(xs, n=4, method="inclusive")  # within the data ("exclusive" extrapolates)
     return [q[0], q[2]]
 
 
@@ -171,29 +174,31 @@ def run_setting(target: ReadCounter, draft: ReadCounter | None, prompts: Sequenc
 def run_settings(target: ReadCounter, draft: ReadCounter | None, prompts: Sequence[Sequence[int]],
                  settings: Sequence[Setting], max_new_tokens: int, repeats: int, warmup: int = 1,
                  eos_token_ids: tuple[int, ...] = (), seed: int = 0,
-                 progress: Callable[[str], None] | None = None, vocab_size: int | None = None) -> list[SettingResult]:
+                 progress: Callable[[str], None] | None = None, vocab_size: int | None = None,
+                 max_gamma: int = 8) -> list[SettingResult]:
     """Measure settings side by side, ``warmup`` repeats discarded. Settings that sample alike
     run together: for every prompt, one plain run and every setting's speculative run back to back
     (same seed; the order rotates from prompt to prompt), so a drift in the host's speed hits plain
     decoding and every setting alike, and settings can be compared with each other, not only with
-    plain decoding. The plain run is shared: every setting of the group gets the same plain tokens/s."""
+    plain decoding. The plain run is shared: every setting of the group gets the same plain tokens/s.
+    ``max_gamma``: the adaptive policy's bound (the verify width - 1 of XLA artifacts at most)."""
     results = [SettingResult(s) for s in settings]
     groups: dict[SamplingConfig, list[int]] = {}
     for j, s in enumerate(settings):
         groups.setdefault(s.sampling, []).append(j)
     for sampling, members in groups.items():
         _run_group(target, draft, prompts, [results[j] for j in members], max_new_tokens, repeats, warmup,
-                   eos_token_ids, seed, progress, vocab_size)
+                   eos_token_ids, seed, progress, vocab_size, max_gamma)
     return results
 
 
 def _run_group(target, draft, prompts, results: list[SettingResult], max_new_tokens, repeats, warmup,
-               eos_token_ids, seed, progress, vocab_size) -> None:
+               eos_token_ids, seed, progress, vocab_size, max_gamma) -> None:
     from .drafters import LookaheadDrafter, NgramDrafter
 
     cfgs = [GenerationConfig(max_new_tokens=max_new_tokens, sampling=r.setting.sampling, gamma=r.setting.gamma,
                              lenience=r.setting.lenience, eos_token_ids=eos_token_ids,
-                             max_gamma=max(8, r.setting.gamma or 8), vocab_size=vocab_size) for r in results]
+                             max_gamma=max(max_gamma, r.setting.gamma or 0), vocab_size=vocab_size) for r in results]
     # One adaptive policy per setting for the whole run, as an Engine keeps one across calls: the
     # warm-up repeat is also its first lesson.
     policies = [AdaptiveGamma(c.max_gamma) if r.setting.gamma is None else None for r, c in zip(results, cfgs)]

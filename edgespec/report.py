@@ -53,7 +53,8 @@ def format_table(rows: list[dict]) -> str:
             f"{_f(r.get('verify_cost_steps', float('nan')), '5.2f')} "
             f"{_f(r.get('predicted_speedup_verify_cost', float('nan')), '7.2f')}x "
             f"{_f(r.get('target_read_reduction', float('nan')), '8.2f')}x")
-    notes = ["speedup: end to end (prefill and first token included); decode: the rate after the first token "
+    notes = ["speedup: end to end (prefill and first token included), the median of the per-repeat spec / plain "
+             "ratios [their IQR]; decode: the rate after the first token "
              "(time per output token), the part a draft can speed up",
              "V: a verify call's time in plain target steps (Theorem 3.8 assumes 1); Thm3.8/V: the prediction "
              "with that measured cost"]
@@ -134,7 +135,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path] | None:
 def _finish(plt, fig, ax, xlabel: str, ylabel: str, title: str, path: Path, legend_size: int) -> Path:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=legend_size)
+    if ax.get_legend_handles_labels()[0]:   # nothing labelled (one static gamma, ngram only): no legend
+        ax.legend(fontsize=legend_size)
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -16,8 +16,8 @@ def _check(alpha: float, gamma: int | None = None, c: float | None = None) -> No
         raise InvalidArgumentError(f"alpha must be in [0, 1]; got {alpha!r}")
     if gamma is not None and (not isinstance(gamma, int) or gamma < 0):
         raise InvalidArgumentError(f"gamma must be an integer >= 0; got {gamma!r}")
-    if c is not None and (not isinstance(c, (int, float)) or math.isnan(c) or c < 0):
-        raise InvalidArgumentError(f"c must be a number >= 0; got {c!r}")
+    if c is not None and (not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0):
+        raise InvalidArgumentError(f"c must be a finite number >= 0; got {c!r}")
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     a, c = args.alpha, args.c
     c_hat = c if args.c_hat is None else args.c_hat
     _check(a, None, c)
-    _check(a, None, c_hat)
+    if not isinstance(c_hat, (int, float)) or not math.isfinite(c_hat) or c_hat < 0:
+        raise InvalidArgumentError(f"--c-hat must be a finite number >= 0; got {c_hat!r}")
     best = optimal_gamma(a, c, args.max_gamma)
     print(f"alpha = {a:g}, c = {c:g}")
     print(f"{'gamma':>5}  {'tokens/round':>12}  {'speedup (Thm 3.8)':>17}  {'ops factor (3.11)':>17}  {'reads/token':>11}")
@@ -82,7 +83,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"{g:>5}  {expected_tokens(a, g):>12.3f}  {speedup(a, g, c):>16.3f}x  "
               f"{arithmetic_factor(a, g, c_hat):>16.3f}x  {1 / memory_read_reduction(a, g):>10.3f}x{mark}")
     bound = corollary_bound(a, c)
-    print(f"best gamma: {best} ({speedup(a, best, c):.3f}x expected)")
+    edge = " (the largest tabulated: the speedup still rises; raise --max-gamma)" \
+        if best == args.max_gamma and args.max_gamma > 1 and speedup(a, best, c) > speedup(a, best - 1, c) else ""
+    if speedup(a, best, c) <= 1:
+        print(f"no gamma speeds decoding up here (best: gamma {best}, {speedup(a, best, c):.3f}x): decode without a draft")
+    else:
+        print(f"best gamma: {best} ({speedup(a, best, c):.3f}x expected){edge}")
     if bound is None:
         print("alpha <= c: no gamma is guaranteed to help (Corollary 3.9); use a cheaper or better draft")
     else:

@@ -3,6 +3,7 @@ without ONNX, and ``edgespec toy`` shows the loop end to end in a second."""
 from __future__ import annotations
 
 import argparse
+import math
 
 import numpy as np
 
@@ -108,6 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.gamma < 1:
         raise InvalidArgumentError(f"--gamma must be an integer >= 1 (the toy drafts a fixed number per round); got {args.gamma}")
+    if not math.isfinite(args.noise) or args.noise < 0:
+        raise InvalidArgumentError(f"--noise must be a finite number >= 0 (0: the draft is the target); got {args.noise}")
     if args.vocab < 2 or args.order < 1:
         raise InvalidArgumentError(f"--vocab must be >= 2 and --order >= 1; got --vocab {args.vocab} --order {args.order}")
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma,
@@ -125,6 +128,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"  alpha (mean sum min(p, q)) = {s.alpha:.3f}, acceptance rate = {s.acceptance_rate:.3f}")
     print(f"  tokens per round: measured {s.tokens_per_round:.3f}, "
           f"(1 - a^(g+1)) / (1 - a) = {theory.expected_tokens(min(s.alpha, 1.0), args.gamma):.3f}")
-    print(f"  accepted-length histogram (n = 0..{args.gamma}): {s.accepted_hist}")
+    print(f"  accepted-length histogram (rounds that kept n = 0, 1, ... drafts): {s.accepted_hist}")
     print("  (toy models cost nothing to run, so no wall-clock speedup is claimed here; see `edgespec demo`)")
     return 0

@@ -22,6 +22,7 @@ from edgespec.errors import (
 
 FORMAT = "edgespec-xla"
 FORMAT_VERSION = 1
+_KNOWN_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # what export --platforms lowers for
 
 
 def _sha256(path: Path) -> str:
@@ -153,6 +154,9 @@ class XlaBackend:
                     f"{'/'.join(art_platforms)})")
             platform = choice
         platform = str(platform).lower()
+        if platform not in _KNOWN_PLATFORMS:
+            raise ProviderError(f"unknown XLA platform {platform!r}: use one of {', '.join(_KNOWN_PLATFORMS)} "
+                                f"(these artifacts have {art_platforms}; this machine's jax offers {avail})")
         if platform not in art_platforms:
             raise ProviderError(
                 f"the XLA artifacts in {folder} were lowered for {art_platforms}, not {platform!r} (available here: "
@@ -161,7 +165,8 @@ class XlaBackend:
         if device is None:
             raise ProviderError(
                 f"platform {platform!r} is not available to this jax (available: {avail}; the artifacts have "
-                f"{art_platforms}); install the matching jax plugin or choose platform={avail[0] if avail else 'cpu'!r}")
+                f"{art_platforms}); install the matching jax plugin or choose another (platform={avail[0] if avail else 'cpu'!r}, CLI "
+                f"--platform {avail[0] if avail else 'cpu'})")
 
         # ---- artifacts
         def safe(name: str) -> Path:

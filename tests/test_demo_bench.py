@@ -268,3 +268,16 @@ def test_plot_says_when_matplotlib_is_missing(monkeypatch, tmp_path):
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib now raises ImportError
     assert plot([], tmp_path) is None
+
+
+def test_bench_checks_out_first_and_iqr_stays_in_the_data(tiny_bundle, tmp_path, capsys):
+    from edgespec.measure import _iqr
+
+    lo, hi = _iqr([1.222, 1.309])
+    assert 1.222 <= lo <= hi <= 1.309                         # "exclusive" quantiles extrapolated: 1.200-1.331
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["bench", str(tiny_bundle("llama")), "--gammas", "2", "--temperatures", "0", "--repeats", "1",
+                 "--max-new-tokens", "4", "--out", str(afile)]) == 2
+    err = capsys.readouterr().err
+    assert "is a file" in err and "[bench]" not in err and "Traceback" not in err   # refused before measuring

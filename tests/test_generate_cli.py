@@ -149,3 +149,14 @@ def test_cli_sigterm_oserror_and_unknown_flags(monkeypatch, capsys):
         main(["plan", "--alpha", "0.8", "--c", "0.05", "--force"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "usage: edgespec plan" in err and "unrecognized arguments: --force" in err
+
+
+def test_show_drafts_marks_whitespace_tokens_visibly():
+    from edgespec.generate_cli import render_marked
+
+    class Pieces:
+        def decode(self, ids):
+            return "".join({1: "def", 2: "\n", 3: "    ", 4: " x"}[i] for i in ids)
+
+    out = render_marked(Pieces(), [1, 2, 3, 4], ["target", "accepted", "bonus", "recovered"], color=False)
+    assert out == "def[\\n]\n<    > {x}"     # a kept newline shows as [\n] and still breaks the line

@@ -54,3 +54,19 @@ def test_toy_cli(capsys):
     assert main(["toy", "--max-new-tokens", "300", "--gamma", "3"]) == 0
     out = capsys.readouterr().out
     assert "alpha" in out and "tokens per target call" in out
+
+
+def test_plan_and_toy_edge_cases(capsys):
+    assert main(["plan", "--alpha", "0", "--c", "0.1"]) == 0
+    assert "no gamma speeds decoding up here" in capsys.readouterr().out
+    assert main(["plan", "--alpha", "1", "--c", "0", "--max-gamma", "5"]) == 0
+    assert "best gamma: 5 (6.000x expected) (the largest tabulated" in capsys.readouterr().out
+    assert main(["plan", "--alpha", "0.8", "--c", "0.05", "--max-gamma", "30"]) == 0
+    assert "largest tabulated" not in capsys.readouterr().out      # an interior optimum
+    for argv, needle in ((["plan", "--alpha", "0.8", "--c", "0.05", "--c-hat", "-1"], "--c-hat must be"),
+                         (["plan", "--alpha", "0.8", "--c", "inf"], "c must be a finite number"),
+                         (["toy", "--noise", "-1"], "--noise must be"),
+                         (["toy", "--gamma", "0"], "--gamma must be an integer >= 1")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err

@@ -2,6 +2,8 @@
 jax.export artifacts gives token-identical greedy output to the ONNX Runtime path."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -65,9 +67,22 @@ def test_generate_cli_xla_and_missing_artifacts(xla_bundle, tiny_bundle, capsys)
     assert main(["generate", str(tiny_bundle("gpt2")), "--prompt", "the cat", "--runtime", "xla"]) == 2
     err = capsys.readouterr().err
     assert "--format onnx+xla" in err and "Traceback" not in err
+    assert main(["generate", str(xla_bundle("gpt2")), "--prompt", "the cat", "--runtime", "xla", "--platform", "foo"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown XLA platform 'foo': use one of cpu, cuda, rocm, tpu" in err and "re-export" not in err
 
 
 def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys):
-    assert main(["bench", str(xla_bundle("llama")), "--runtime", "xla", "--gammas", "2", "--temperatures", "0",
-                 "--repeats", "1", "--max-new-tokens", "8", "--quiet", "--out", str(tmp_path)]) == 0
-    assert (tmp_path / "bench.json").is_file()
+    """Adaptive gamma stays within the artifacts' verify width (6 here: gamma <= 5, below the default
+    bound of 8); a static gamma beyond it is refused before any measurement, as generate does."""
+    argv = ["bench", str(xla_bundle("llama")), "--runtime", "xla", "--temperatures", "0", "--repeats", "1",
+            "--max-new-tokens", "24", "--quiet"]
+    assert main(argv + ["--gammas", "2,auto", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["verify_width"] == 6 and data["jax"]
+    auto = next(r for r in data["results"] if r["gamma"] is None)
+    assert 0 < auto["mean_gamma"] <= 5
+    capsys.readouterr()
+    assert main(argv + ["--gammas", "2,6"]) == 2
+    err = capsys.readouterr().err
+    assert "verify_width=6, so gamma <= 5" in err and "Traceback" not in err
