@@ -294,7 +294,7 @@ def main(argv=None) -> int:
         cal = trace(eng, calibration_prompts(eng, args.calibration, prefix), args.new_tokens, vocab)
         for name, held_out, in_sample in predictor_rows(cal, tr, vocab, t_draft, t_target):
             rows += [(f"threshold policy, {name}, fitted on held-out text", held_out),
-                     ("  same predictor, best in-sample threshold", in_sample)]
+                     (f"  {name.split(' (AUC')[0]}, best in-sample threshold", in_sample)]  # unique: JSON keys
     rows += [(f"oracle (cap {c})", v) for c, v in orc.items()]
     lines = [f"Bundle {args.bundle}; {len(prompts)} prompts x {args.new_tokens} greedy tokens; {args.threads} thread(s); "
              f"t_draft {t_draft * 1e3:.3f} ms, t_target(1) {t_target(1) * 1e3:.2f} ms, +{slope * 1e3:.3f} ms per extra "

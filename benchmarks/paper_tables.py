@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -56,7 +57,8 @@ def ensure_bundle(pair: Path, name: str, draft_dir: Path) -> Path:
         if load_bundle(out).target.kv_layout == "static":  # else an export from before static-KV graphs
             return out
     except BundleError:
-        pass
+        if out.exists() and not (out / "edgespec.json").exists():  # a broken export of ours: --overwrite refuses it
+            shutil.rmtree(out)
     log(f"exporting target + {name} draft to {out}")
     export_bundle(pair / "target", out, draft=draft_dir, progress=log, options=ExportOptions(overwrite=True))
     return out

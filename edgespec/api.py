@@ -55,7 +55,9 @@ class GenerationOutput:
 
 class StreamChunk(str):
     """Tokens committed in one step and the text they completed. It is that text (a ``str``, so
-    ``"".join(stream)`` is the generated text); ``.ids`` are the tokens."""
+    ``"".join(stream)`` is the generated text); ``.ids`` are the tokens. Two chunks are equal when
+    text and ids are; a chunk is true when it commits tokens, even if its text is held back (an
+    incomplete UTF-8 character)."""
 
     ids: list[int]
 
@@ -67,6 +69,22 @@ class StreamChunk(str):
     @property
     def text(self) -> str:
         return str.__str__(self)
+
+    def __getnewargs__(self):  # copy and pickle
+        return (self.text, self.ids)
+
+    def __eq__(self, other):
+        if isinstance(other, StreamChunk):
+            return self.text == other.text and self.ids == other.ids
+        return str.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = str.__hash__  # equal chunks have equal text
+
+    def __bool__(self) -> bool:
+        return bool(self.ids) or bool(self.text)
 
     def __repr__(self) -> str:
         return f"StreamChunk(text={self.text!r}, ids={self.ids!r})"

@@ -147,6 +147,9 @@ def run(args: argparse.Namespace) -> int:
         _warn_if_no_spare_core(threads)
     max_gamma = DEFAULT_MAX_GAMMA
     if ob.verify_width is not None:
+        if ob.verify_width < 2:
+            raise InvalidArgumentError(f"this bundle's XLA artifacts have verify_width={ob.verify_width}: no room for a "
+                                       "draft token; re-export with --verify-width 9")
         # a round feeds the pending token + gamma drafts in one target call: gamma + 1 <= width
         too_wide = [s.gamma for s in grid if s.gamma is not None and s.gamma > ob.verify_width - 1]
         if too_wide:

@@ -61,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     shown, warnings.showwarning = warnings.showwarning, show
     # SIGTERM (docker stop, systemd, CI timeouts) unwinds like Ctrl-C, so temporary folders are removed.
     terminate = threading.current_thread() is threading.main_thread()
-    if terminate:
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = signal.getsignal(signal.SIGTERM) if terminate else None
     try:
+        if terminate:
+            signal.signal(signal.SIGTERM, _raise_terminated)
         return int(module.run(args) or 0)
     except EdgeSpecError as exc:
         print(f"edgespec {args.command}: error: {exc}", file=sys.stderr)
@@ -85,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
         if exc.errno not in _USER_FIXABLE_ERRNOS:
             raise
         # a file the user named cannot be read or written: say which, without a traceback
-        print(f"edgespec {args.command}: error: {exc.strerror}: {exc.filename!r}; check the path, its permissions "
+        name = exc.filename2 if exc.filename2 is not None else exc.filename
+        where = f": {name!r}" if name is not None else ""
+        print(f"edgespec {args.command}: error: {exc.strerror or exc}{where}; check the path, its permissions "
               "and the free space", file=sys.stderr)
         return 2
     finally:
         warnings.showwarning = shown
-        if terminate:
-            signal.signal(signal.SIGTERM, previous)
+        if terminate:  # None: a handler set outside Python, which signal() cannot reinstall
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def run_script(main: Callable[[], int | None], name: str) -> int:
@@ -112,6 +115,7 @@ class _Terminated(BaseException):
 
 
 def _raise_terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the clean-up ends the process
     raise _Terminated()
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
 
+from . import contract
 from .config import SamplingConfig
 from .errors import BundleError, InvalidArgumentError
 from .measure import Setting, hardware_counters_note, run_setting
@@ -40,6 +42,8 @@ def ensure_bundle(pair_dir: Path, log) -> Path:
             return bundle
         except BundleError as exc:
             log(f"re-exporting: {exc}")
+            if not (bundle / contract.MANIFEST_NAME).exists():  # not a bundle any more: --overwrite would refuse it
+                shutil.rmtree(bundle)                             # (our own cache folder, so ours to remove)
     from .export.pipeline import ExportOptions, export_bundle
 
     export_bundle(pair_dir / "target", bundle, draft=pair_dir / "draft",

@@ -72,11 +72,11 @@ def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> st
         if src in _ANSI and piece:
             lead = piece[: len(piece) - len(piece.lstrip())]
             body = piece[len(lead):]
+            piece_end = ""
             if not body:  # a whitespace-only token (a newline, an indent): mark it visibly, keep the layout
                 lead, body = "", piece.encode("unicode_escape").decode("ascii")
-                piece_end = "\n" if piece.endswith("\n") else ""
-            else:
-                piece_end = ""
+                if "\n" in piece:   # the line breaks, then the indent after the last one
+                    piece_end = "\n" * piece.count("\n") + piece[piece.rfind("\n") + 1:]
             piece = lead + (f"{_ANSI[src]}{body}\x1b[0m" if color else f"{_BRACKETS[src][0]}{body}{_BRACKETS[src][1]}")
             piece += piece_end
         parts.append(piece)

@@ -30,9 +30,12 @@ def load_torch_model(ckpt: Checkpoint):
     cls = AutoModelForSeq2SeqLM if ckpt.kind == contract.KIND_SEQ2SEQ else AutoModelForCausalLM
     try:
         model = cls.from_pretrained(str(ckpt.path), use_safetensors=True, local_files_only=True, dtype=torch.float32)
-    except (RuntimeError, ValueError, OSError, KeyError) as exc:  # e.g. "size mismatch for ...": config vs weights
-        raise CheckpointError(f"cannot load the model in {str(ckpt.path)!r} ({str(exc).strip()[:300]}); check that "
-                              "config.json belongs to these weights, or save the checkpoint again") from exc
+    except (RuntimeError, ValueError, OSError, KeyError) as exc:
+        text = str(exc).strip()
+        mismatch = "size mismatch" in text or "shape" in text  # config.json describes other weights
+        advice = ("check that config.json belongs to these weights, or save the checkpoint again" if mismatch
+                  else "save the checkpoint again with save_pretrained(..., safe_serialization=True)")
+        raise CheckpointError(f"cannot load the model in {str(ckpt.path)!r} ({text[:300]}); {advice}") from exc
     return model.eval()
 
 

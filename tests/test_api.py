@@ -92,6 +92,15 @@ def test_stream_equals_non_streamed(engines, arch):
     chunks = list(stream)
     assert [t for c in chunks for t in c.ids] == full.ids == stream.result.ids
     assert "".join(chunks) == "".join(c.text for c in chunks) == full.text == stream.result.text
+    import copy
+    import pickle
+
+    from edgespec.api import StreamChunk
+
+    c = chunks[0]
+    assert copy.copy(c) == copy.deepcopy(c) == pickle.loads(pickle.dumps(c)) == c and copy.copy(c).ids == c.ids
+    assert StreamChunk("a", [1]) != StreamChunk("a", [2]) and StreamChunk("a", [1]) == "a"
+    assert StreamChunk("", [7]) and not StreamChunk("", [])    # ids but held-back text: still a chunk
     assert stream.result.sources == full.sources
 
 

@@ -145,6 +145,14 @@ def test_cli_sigterm_oserror_and_unknown_flags(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "Permission denied: '/srv/models/out'" in err and "Traceback" not in err
 
+    def full(args):
+        raise OSError(errno.ENOSPC, "No space left on device")          # a write with no file name
+
+    monkeypatch.setattr(theory, "run", full)
+    assert main(["plan", "--alpha", "0.8", "--c", "0.05"]) == 2
+    err = capsys.readouterr().err
+    assert "error: No space left on device; check" in err and "None" not in err
+
     with pytest.raises(SystemExit) as info:
         main(["plan", "--alpha", "0.8", "--c", "0.05", "--force"])
     err = capsys.readouterr().err
@@ -160,3 +168,10 @@ def test_show_drafts_marks_whitespace_tokens_visibly():
 
     out = render_marked(Pieces(), [1, 2, 3, 4], ["target", "accepted", "bonus", "recovered"], color=False)
     assert out == "def[\\n]\n<    > {x}"     # a kept newline shows as [\n] and still breaks the line
+
+    class Indent:
+        def decode(self, ids):
+            return "".join({1: "a", 2: "\n\n    ", 3: "b"}[i] for i in ids)
+
+    out = render_marked(Indent(), [1, 2, 3], ["target", "accepted", "target"], color=False)
+    assert out == "a[\\n\\n    ]\n\n    b"   # both line breaks and the indent survive the marking
