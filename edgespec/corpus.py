@@ -195,6 +195,13 @@ def hf_tokenizer(tok, model_max_length: int):
     )
 
 
+def bar_options(progress: bool) -> dict:
+    """tqdm options for edgespec's progress bars: on stderr; off a terminal (a CI log, a pipe) a frame
+    at most every 30 s, not ten a second, since each frame is appended to the log."""
+    quiet_log = progress and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
+    return {"disable": not progress, "file": sys.stderr, "mininterval": 30.0 if quiet_log else 0.1}
+
+
 def encode_docs(tok, docs: Sequence[str], *, bos_id: int | None, eos_id: int | None,
                 progress: bool = False, desc: str = "tokenize", chunk: int = 64):
     """Token ids of all documents as one int64 numpy stream: ``[bos] doc [eos]`` per document."""
@@ -202,7 +209,7 @@ def encode_docs(tok, docs: Sequence[str], *, bos_id: int | None, eos_id: int | N
     from tqdm.auto import tqdm
 
     parts = []
-    with tqdm(total=len(docs), desc=desc, unit="file", disable=not progress, file=sys.stderr, leave=False) as bar:
+    with tqdm(total=len(docs), desc=desc, unit="file", leave=False, **bar_options(progress)) as bar:
         for i in range(0, len(docs), chunk):
             batch = list(docs[i:i + chunk])
             for enc in tok.encode_batch(batch, add_special_tokens=False):

@@ -19,13 +19,13 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from . import contract
+from .corpus import bar_options
 from .errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError
 from .outputs import check_replaceable, check_writable, usual_permissions
 
@@ -234,7 +234,7 @@ def continuations(target, prefixes, length: int, temperatures: Sequence[float], 
     out = torch.empty((n, length), dtype=torch.long)                        # [n, length]
     out[:, :plen] = prefixes
     jobs = [(t, [i for i in range(n) if i % len(temperatures) == k]) for k, t in enumerate(temperatures)]
-    with tqdm(total=n, desc=desc, unit="row", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar, \
+    with tqdm(total=n, desc=desc, unit="row", dynamic_ncols=True, **bar_options(progress)) as bar, \
             torch.no_grad():
         for k, (temp, rows) in enumerate(jobs):
             for j in range(0, len(rows), batch_size):
@@ -279,7 +279,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     draft.train()
     target.eval()
     history = []
-    with tqdm(total=steps, desc=desc, unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+    with tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True, **bar_options(progress)) as bar:
         for step in range(steps):
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, steps, lr, warmup)

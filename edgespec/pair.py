@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .corpus import BOS, EOS, MIN_VOCAB, PAD, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
+from .corpus import BOS, EOS, MIN_VOCAB, PAD, bar_options, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
 from .outputs import check_replaceable, check_writable, usual_permissions
 
@@ -350,7 +350,7 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
     model.train()
     t0 = time.perf_counter()
     with tqdm(total=steps, initial=step, desc=f"train {role} ({n_params / 1e6:.2f}M params)", unit="step",
-              disable=not progress, file=sys.stderr, dynamic_ncols=True) as bar:
+              dynamic_ncols=True, **bar_options(progress)) as bar:
         while step < steps:
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, steps, lr, preset.warmup_steps)

@@ -210,3 +210,23 @@ def test_presets_are_sized_as_documented():
     assert 3e6 <= n_t <= 8e6 and 0.3e6 <= n_d <= 1e6
     for p in PRESETS.values():
         assert p.target.layers > p.draft.layers or p.target.hidden > p.draft.hidden
+
+
+def test_progress_bars_are_sparse_off_a_terminal(monkeypatch):
+    """Off a terminal (a CI log, a pipe) a bar draws a frame at most every 30 s: each frame is
+    appended to the log."""
+    import io
+    import sys
+
+    from edgespec.corpus import bar_options
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert bar_options(True)["mininterval"] == 30.0 and not bar_options(True)["disable"]
+    assert bar_options(False)["disable"]
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Tty())
+    assert bar_options(True)["mininterval"] == 0.1
