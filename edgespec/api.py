@@ -348,18 +348,8 @@ class Engine:
             raise InvalidArgumentError(f"drafter must be 'model', 'lookahead' or 'ngram' (prompt lookup); got {drafter!r}")
         ngram = bool(use_draft) and drafter == "ngram"
         use_draft = bool(use_draft) and self.draft is not None and not ngram  # the draft model takes part
-        max_gamma = max(DEFAULT_MAX_GAMMA, gamma) if isinstance(gamma, int) and not isinstance(gamma, bool) else DEFAULT_MAX_GAMMA
-        width = self.verify_width() if use_draft or ngram else None
-        if width is not None:
-            # a round feeds the pending token + gamma drafts in one target call: gamma + 1 <= width
-            if isinstance(gamma, int) and not isinstance(gamma, bool) and gamma > width - 1:
-                raise InvalidArgumentError(
-                    f"gamma={gamma} exceeds what this bundle's XLA artifacts verify in one call (verify_width={width}, "
-                    f"so gamma <= {width - 1}); lower gamma or re-export with `--verify-width {gamma + 1}`")
-            if width < 2:
-                raise InvalidArgumentError(f"this bundle's XLA artifacts have verify_width={width}: no room for a draft "
-                                           "token; pass use_draft=False or re-export with --verify-width 9")
-            max_gamma = min(max_gamma, width - 1)
+        fixed = [gamma] if isinstance(gamma, int) and not isinstance(gamma, bool) else []
+        max_gamma = gamma_bound(fixed, self.verify_width() if use_draft or ngram else None)
         if isinstance(stop_token_ids, (str, bytes)) or not all(
                 isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in stop_token_ids):
             raise InvalidArgumentError(f"stop_token_ids must be a sequence of integer token ids; got {stop_token_ids!r:.80}")
@@ -382,7 +372,7 @@ class Engine:
         if draft is not None and drafter == "lookahead":
             if self._lookahead is None:  # one per engine: it owns the worker thread
                 self._lookahead = LookaheadDrafter(self.draft)
-                _warn_if_no_spare_core(self._target_threads)
+                warn_if_no_spare_core(self._target_threads)
             draft = self._lookahead
         policy = None
         if gamma is None and draft is not None and seed is not None and not config.sampling.greedy:
@@ -429,20 +419,39 @@ class Engine:
             self.draft.free()
 
 
+def gamma_bound(fixed_gammas: Sequence[int], width: int | None, name: str = "gamma") -> int:
+    """The adaptive policy's bound: DEFAULT_MAX_GAMMA or the largest fixed gamma asked for, within
+    what one target call verifies (XLA artifacts: the pending token + gamma drafts <= verify width;
+    None: any). A fixed gamma beyond the width is an error."""
+    bound = max([DEFAULT_MAX_GAMMA, *fixed_gammas])
+    if width is None:
+        return bound
+    wide = max(fixed_gammas, default=0)
+    if wide > width - 1:
+        raise InvalidArgumentError(
+            f"{name}={wide} exceeds what this bundle's XLA artifacts verify in one call (verify_width={width}, "
+            f"so gamma <= {width - 1}); lower {name} or re-export with `--verify-width {wide + 1}`")
+    if width < 2:
+        raise InvalidArgumentError(f"this bundle's XLA artifacts have verify_width={width}: no room for a draft "
+                                   "token; decode without a draft or re-export with --verify-width 9")
+    return min(bound, width - 1)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def default_target_threads(lookahead: bool) -> int:
     """The CLI's default target threads: ORT's (0), or with the lookahead drafter all cores but one
     (its drafting thread needs a core of its own)."""
-    if not lookahead:
-        return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores - 1)
+    return max(1, _cores() - 1) if lookahead else 0
 
 
-def _warn_if_no_spare_core(threads: int | None) -> None:
+def warn_if_no_spare_core(threads: int | None) -> None:
     """The lookahead drafter's worker needs a core the target leaves free."""
     if threads is None:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     if threads == 0 or threads >= cores:
         warnings.warn(
             f"drafter='lookahead' with the target on {'all' if threads == 0 else threads} of {cores} cores: the draft's "

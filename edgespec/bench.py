@@ -121,7 +121,7 @@ def read_prompts(path: Path | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .api import DEFAULT_MAX_GAMMA, _warn_if_no_spare_core, default_target_threads
+    from .api import default_target_threads, gamma_bound, warn_if_no_spare_core
     from .outputs import check_writable
 
     if args.repeats < 1 or args.max_new_tokens < 1:
@@ -144,20 +144,10 @@ def run(args: argparse.Namespace) -> int:
     ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), threads, args.draft_threads, spin,
                      platform=args.platform)
     if lookahead:
-        _warn_if_no_spare_core(threads)
-    max_gamma = DEFAULT_MAX_GAMMA
-    if ob.verify_width is not None:
-        if ob.verify_width < 2:
-            raise InvalidArgumentError(f"this bundle's XLA artifacts have verify_width={ob.verify_width}: no room for a "
-                                       "draft token; re-export with --verify-width 9")
-        # a round feeds the pending token + gamma drafts in one target call: gamma + 1 <= width
-        too_wide = [s.gamma for s in grid if s.gamma is not None and s.gamma > ob.verify_width - 1]
-        if too_wide:
-            raise InvalidArgumentError(
-                f"--gammas {max(too_wide)} exceeds what this bundle's XLA artifacts verify in one call (verify_width="
-                f"{ob.verify_width}, so gamma <= {ob.verify_width - 1}); lower it or re-export with "
-                f"`--verify-width {max(too_wide) + 1}`")
-        max_gamma = min(max_gamma, ob.verify_width - 1)
+        warn_if_no_spare_core(threads)
+    # the adaptive settings' bound: 8, within what the XLA artifacts verify in one call
+    gamma_bound([s.gamma for s in grid if s.gamma is not None], ob.verify_width, "--gammas")
+    max_gamma = gamma_bound([], ob.verify_width)
     if ob.draft is None and any(s.draft != "ngram" for s in grid):
         raise InvalidArgumentError(f"{args.bundle} has no draft model; export one with --draft, or use --draft ngram")
     prompts = [ob.tokenizer.encode(p).ids for p in read_prompts(args.prompts)]

@@ -59,21 +59,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"edgespec {args.command}: warning: {message}", file=sys.stderr)
 
     shown, warnings.showwarning = warnings.showwarning, show
-    # SIGTERM (docker stop, systemd, CI timeouts) unwinds like Ctrl-C, so temporary folders are removed.
+    try:
+        return run_script(lambda: module.run(args), f"edgespec {args.command}")
+    finally:
+        warnings.showwarning = shown
+
+
+def run_script(main: Callable[[], int | None], name: str) -> int:
+    """Run ``main`` (a command's ``run``, a benchmarks/*.py script's ``main``) the way every edgespec
+    program ends: an EdgeSpecError or a path the user named that cannot be read or written is one
+    line and a non-zero exit, Ctrl-C is 130, SIGTERM 143, a closed pipe 141; never a traceback for
+    those. SIGTERM (docker stop, systemd, CI timeouts) unwinds like Ctrl-C, so temporary folders are
+    removed."""
     terminate = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if terminate else None
     try:
         if terminate:
             signal.signal(signal.SIGTERM, _raise_terminated)
-        return int(module.run(args) or 0)
+        return int(main() or 0)
     except EdgeSpecError as exc:
-        print(f"edgespec {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"edgespec {args.command}: interrupted", file=sys.stderr)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
     except _Terminated:
-        print(f"edgespec {args.command}: terminated", file=sys.stderr)
+        print(f"{name}: terminated", file=sys.stderr)
         return 143
     except BrokenPipeError:
         # the reader went away (`edgespec generate ... | head`): stop quietly, as Unix tools do
@@ -86,28 +97,14 @@ def main(argv: list[str] | None = None) -> int:
         if exc.errno not in _USER_FIXABLE_ERRNOS:
             raise
         # a file the user named cannot be read or written: say which, without a traceback
-        name = exc.filename2 if exc.filename2 is not None else exc.filename
-        where = f": {name!r}" if name is not None else ""
-        print(f"edgespec {args.command}: error: {exc.strerror or exc}{where}; check the path, its permissions "
-              "and the free space", file=sys.stderr)
+        path = exc.filename2 if exc.filename2 is not None else exc.filename
+        where = f": {path!r}" if path is not None else ""
+        print(f"{name}: error: {exc.strerror or exc}{where}; check the path, its permissions and the free space",
+              file=sys.stderr)
         return 2
     finally:
-        warnings.showwarning = shown
         if terminate:  # None: a handler set outside Python, which signal() cannot reinstall
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-
-def run_script(main: Callable[[], int | None], name: str) -> int:
-    """Run a script's ``main`` (benchmarks/*.py) with the CLI's handling of errors: an EdgeSpecError
-    is one line and its exit code, Ctrl-C is 130, no traceback."""
-    try:
-        return int(main() or 0)
-    except EdgeSpecError as exc:
-        print(f"{name}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr)
-        return 130
 
 
 class _Terminated(BaseException):
