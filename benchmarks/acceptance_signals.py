@@ -38,7 +38,7 @@ def binned_r2(a: np.ndarray, signal: np.ndarray, bins: int = BINS) -> tuple[floa
 
 
 def collect(engine, prompts, new_tokens: int, temperature: float, draws: int, seed: int) -> dict[str, np.ndarray]:
-    vocab = engine.manifest.shared_vocab_size
+    vocab = engine.vocab_size
     cfg = SamplingConfig(temperature)
     rng = np.random.default_rng(seed)
     rows: dict[str, list] = {"a": [], "q_x": [], "max_q": [], "entropy_q": []}

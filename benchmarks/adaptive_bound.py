@@ -14,7 +14,9 @@ policy, not a speed claim (speed claims are `edgespec bench` runs).
 
 Policies replayed:
 - static gamma 1..10 (the sweep);
-- edgespec's adaptive policy (`edgespec/adaptive.py`, learning online, as shipped);
+- edgespec's adaptive policy (`edgespec/adaptive.py`, learning online, as shipped), and the same
+  policy with its keep table split by the run's recent keep rate (does the text's local "regime",
+  which the run knows without the target's verdict on this round, say more than the confidence?);
 - the best "draft while the predicted all-kept probability exceeds a threshold" policy, with the
   keep probability per confidence bin taken from the trace itself (in-sample: an upper bound for
   policies that see only the draft's confidence; optimal stopping for a ratio objective has this form);
@@ -28,6 +30,7 @@ Policies replayed:
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 import time
@@ -35,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec import adaptive
 from edgespec.adaptive import AdaptiveGamma
 from edgespec.api import load
 from edgespec.prompts import CODE_PROMPTS
@@ -131,6 +135,38 @@ class ThresholdPolicy:
 
     def update(self, *args) -> None:
         pass
+
+
+class RegimeAdaptive(AdaptiveGamma):
+    """The shipped policy with one keep-rate table per regime: the keep rate of the last ``window``
+    drafts the target examined, below or at/above ``split``. Everything it uses is known before the
+    round is verified (past rounds only), so it is a policy the engine could run."""
+
+    def __init__(self, max_gamma: int, window: int = 16, split: float = 0.8):
+        super().__init__(max_gamma)
+        self._split = split
+        self._recent = collections.deque(maxlen=window)             # [<= window] 1.0 kept / 0.0 rejected
+        self._kept_r = np.full((2, adaptive._BINS), 1.0)           # [regime, bins] Beta(1, 1) priors
+        self._seen_r = np.full((2, adaptive._BINS), 2.0)           # [regime, bins]
+        self._regime = 1
+
+    def _keep_prob(self, confidence: float) -> float:
+        b = min(int(confidence * adaptive._BINS), adaptive._BINS - 1)
+        return float(self._kept_r[self._regime, b] / self._seen_r[self._regime, b])
+
+    def start_round(self) -> None:
+        super().start_round()
+        self._regime = int(not self._recent or np.mean(self._recent) >= self._split)
+
+    def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float) -> None:
+        self._kept_r *= adaptive._FORGET
+        self._seen_r *= adaptive._FORGET
+        for j in range(min(n_accepted + 1, confidences.shape[0])):   # the drafts the target examined
+            b = min(int(confidences[j] * adaptive._BINS), adaptive._BINS - 1)
+            self._seen_r[self._regime, b] += 1.0
+            self._kept_r[self._regime, b] += float(j < n_accepted)
+            self._recent.append(float(j < n_accepted))
+        super().update(confidences, n_accepted, draft_s, target_s)
 
 
 # --------------------------------------------------------------------------- better predictors
@@ -253,7 +289,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     eng = load(args.bundle, threads=args.threads, spinning=False)
-    vocab = eng.manifest.shared_vocab_size
+    vocab = eng.vocab_size
     prompts = [eng.encode(p) for p in CODE_PROMPTS]
     print(f"[adaptive-bound] tracing {len(prompts)} prompts x {args.new_tokens} greedy tokens", file=sys.stderr)
     tr = trace(eng, prompts, args.new_tokens, vocab)
@@ -273,6 +309,8 @@ def main(argv=None) -> int:
     # one policy across prompts, as an Engine keeps one across calls with the same settings
     adaptive = {cap: replay(tr, cap, t_draft, t_target, policy=lambda cap=cap: AdaptiveGamma(cap), shared=True)
                 for cap in sorted({args.max_gamma, 16})}
+    regime = {cap: replay(tr, cap, t_draft, t_target, policy=lambda cap=cap: RegimeAdaptive(cap), shared=True)
+              for cap in sorted({args.max_gamma, 16})}
     match = np.concatenate([r["match"] for r in tr])
     conf = np.concatenate([r["conf"] for r in tr])
     bins = np.minimum((conf * BINS).astype(int), BINS - 1)
@@ -286,6 +324,8 @@ def main(argv=None) -> int:
     orc = {cap: oracle(tr, cap, t_draft, t_target) for cap in (4, 8, 16)}
     rows = [("static gamma " + str(g), v) for g, v in static.items()]
     rows += [(f"adaptive (online, max_gamma {cap})", v) for cap, v in adaptive.items()]
+    rows += [(f"adaptive, keep table split by the last 16 drafts' keep rate (online, max_gamma {cap})", v)
+             for cap, v in regime.items()]
     rows += [(f"best threshold policy, in-sample calibration (threshold {th_best:.2f}, cap {cap_best})", bound)]
     prefix = 0
     if args.calibration:

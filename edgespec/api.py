@@ -110,6 +110,12 @@ class _Detokenizer:
     def text(self) -> str:
         return self._tok.decode(self.ids, skip_special_tokens=True)
 
+    def flush(self) -> str:
+        """At the end: the text held back because it ended inside a character (it never will be completed)."""
+        text = self.text()
+        piece, self._emitted = text[self._emitted:], len(text)
+        return piece
+
 
 class _Lease:
     """The right to use an Engine's backends for one generate call (or one stream)."""
@@ -191,6 +197,9 @@ class TextStream:
                     block = next(self._blocks)
                 except StopIteration as stop:
                     self._result = self._finish(stop.value)
+                    tail = self._detok.flush() if self._detok is not None else ""
+                    if tail:  # generation ended inside a multi-byte character: its bytes decode as U+FFFD
+                        yield StreamChunk(tail, [])
                     return
                 # without a detokenizer (the non-streaming call) no text is decoded per block
                 yield StreamChunk(self._detok.push(block) if self._detok is not None else "", list(block))
@@ -260,6 +269,12 @@ class Engine:
     def has_draft(self) -> bool:
         return self.draft is not None
 
+    @property
+    def vocab_size(self) -> int:
+        """The ids generation samples from, with or without a draft: the tokenizer's. Embedding rows
+        past the tokenizer are padding (no token; T5: 32100 tokens, 32128 rows) and are never emitted."""
+        return min(self.manifest.target.tokenizer_size, self.target.vocab_size)
+
     def _draft_cost(self) -> float:
         """A draft step in target steps, from the bytes each forward reads (decoding is memory
         bound): on the benchmark pair 0.014 against a measured c of 0.02-0.03."""
@@ -299,9 +314,12 @@ class Engine:
     def _check_lengths(self, n_prompt: int, max_new: int, use_draft: bool) -> None:
         seq2seq = self.manifest.target.kind == contract.KIND_SEQ2SEQ
         limit = self.target.max_length
-        if seq2seq:
+        if seq2seq:  # the prompt goes to the encoder; the decoder's positions hold the start token + new tokens
             if n_prompt > limit:
                 raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most {limit}; shorten it")
+            if max_new > limit:
+                raise PromptTooLongError(f"max_new_tokens ({max_new}) exceeds the decoder's {limit} positions (the prompt "
+                                         f"does not count: it goes to the encoder); lower max_new_tokens to at most {limit}")
         elif n_prompt > limit:
             raise PromptTooLongError(
                 f"prompt has {n_prompt} tokens but the target has {limit} positions; shorten the prompt so that "
@@ -314,7 +332,7 @@ class Engine:
         if use_draft and n_prompt > self.draft.max_length:
             raise PromptTooLongError(
                 f"prompt has {n_prompt} tokens but the draft model has only {self.draft.max_length} positions; "
-                "shorten the prompt or pass use_draft=False"
+                "shorten the prompt or decode without the draft (use_draft=False; CLI: --no-draft)"
             )
 
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
@@ -361,9 +379,7 @@ class Engine:
             eos_token_ids=tuple(self.manifest.target.eos_token_ids),
             stop_token_ids=tuple(int(s) for s in stop_token_ids),
             max_gamma=max_gamma,
-            # Only the ids the two tokenizers share are compared (padding rows beyond them are
-            # dropped); plain decoding through this engine samples the same ids, so both agree.
-            vocab_size=self.manifest.shared_vocab_size if self.draft is not None else None,
+            vocab_size=self.vocab_size,
         )
         ids = self._prompt_ids(prompt_or_ids, use_draft)
         self._check_lengths(len(ids), max_new_tokens, use_draft)
@@ -518,6 +534,12 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     target = open_model(tm, target_cfg)
     if load_draft and manifest.draft is not None:
         draft = open_model(manifest.draft, draft_cfg)
+        if tm.quantization == contract.QUANT_DYNAMIC_INT8 and runtime == "onnx":
+            warnings.warn(
+                f"{root}: the target was quantized with dynamic int8 (edgespec before 2026-11-30), whose logits at a "
+                "position depend on the other tokens in the same call, so speculative output is not distributed "
+                "exactly as plain decoding's; re-export the bundle (`edgespec export --quantize-target int8` now "
+                "writes a causal weight-only int8 target)", stacklevel=2)
     return Engine(root, manifest, target, draft, tokenizer, target_threads=threads if runtime == "onnx" else None)
 
 

@@ -46,7 +46,7 @@ class ModelManifest:
     head_size: int
     max_positions: int
     dtype: str  # "fp32" | "fp16": dtype of activations / KV cache
-    quantization: str  # "none" | "int8-dynamic"
+    quantization: str  # "none" | "int8-blockwise" (target) | "int8-dynamic" (draft; older targets)
     parameter_bytes: dict[str, int]  # total / per_forward (weights read by one decoder forward) / encoder
     validation: dict[str, Any] = field(default_factory=dict)
     kv_layout: str = contract.KV_CONCAT  # contract.KV_LAYOUTS; bundles written before static graphs: concat
@@ -56,7 +56,7 @@ class ModelManifest:
 class BundleManifest:
     schema_version: int
     models: dict[str, ModelManifest]  # role -> model
-    shared_vocab_size: int  # ids compared between draft and target (= target vocab if no draft)
+    shared_vocab_size: int  # embedding rows both models have (= target vocab if no draft); prompts for speculation stay below it
     opset: int
     library_versions: dict[str, str]
     tokenizer_check: dict[str, Any] = field(default_factory=dict)

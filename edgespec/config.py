@@ -46,7 +46,7 @@ class GenerationConfig:
     eos_token_ids: tuple[int, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     max_gamma: int = 8  # upper bound for adaptive gamma (and the verify width a bundle was exported for)
-    vocab_size: int | None = None  # sample only ids < vocab_size (the ids a draft and target share)
+    vocab_size: int | None = None  # sample only ids < vocab_size (the tokenizer's; None: every id the target has)
 
     def __post_init__(self) -> None:
         m = self.max_new_tokens

@@ -14,6 +14,10 @@ SUPPORTED_SCHEMA_VERSIONS = (1,)
 ROLE_TARGET = "target"
 ROLE_DRAFT = "draft"
 
+# Manifest "quantization" of a model quantized with ONNX Runtime's dynamic int8 (one activation
+# scale per call): fine for a draft, not for a target (see export/quantize.py).
+QUANT_DYNAMIC_INT8 = "int8-dynamic"
+
 KIND_DECODER = "decoder"  # decoder-only causal LM: one graph, past may be empty
 KIND_SEQ2SEQ = "seq2seq"  # encoder-decoder (T5): encoder, first decoder step, decoder with past
 

@@ -44,6 +44,10 @@ class ModelDrafter:
                 keep_going: KeepGoing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Draw up to gamma tokens autoregressively from q (the processed draft distribution)."""
         feed = np.asarray(generated[self.backend.length - self._base:], dtype=np.int64)  # [1 or 2] unseen tokens
+        if feed.max(initial=0) >= self.vocab_size:
+            # A target with more rows than the draft can commit an id the draft has no row for.
+            # Any stand-in keeps the output exact: q only has to be what the drafts were drawn from.
+            feed = np.minimum(feed, self.vocab_size - 1)
         return self._draft(feed, gamma, sampling, rng.random, vocab, keep_going)
 
     def _draft(self, feed: np.ndarray, gamma: int, sampling: SamplingConfig, uniform: Callable[[], float],
@@ -51,20 +55,23 @@ class ModelDrafter:
                stop: Callable[[], bool] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Feed the unseen tokens, then draft up to gamma tokens; ``uniform()`` gives each draw's u."""
         b = self.backend
+        # The target's ids [0, V) are the sample space; the draft has rows for [0, dv). q is 0 on
+        # ids the draft has no row for (the residual norm(max(0, p - q)) can still reach them).
+        dv = min(vocab, b.vocab_size)
         ids = np.empty(gamma, dtype=np.int64)                                  # [gamma]
         q = np.empty((gamma, vocab))                                           # [gamma, V]
         conf = np.zeros(gamma)                                                 # [gamma] q_i(x_i)
         g = 0
         greedy = sampling.greedy
-        if greedy:
+        if greedy or dv < vocab:
             q.fill(0.0)
         while g < gamma:
-            logits = b.extend(feed)[-1:, :vocab]                               # [1, V]
+            logits = b.extend(feed)[-1:, :dv]                                  # [1, dv]
             if greedy:  # q one-hot on the argmax, written into the zeroed row
                 ids[g] = argmax_token(logits[0], "draft model")
                 q[g, ids[g]] = 1.0
             else:
-                ids[g] = sample_row(logits[0], sampling, uniform(), q[g], "draft model")
+                ids[g] = sample_row(logits[0], sampling, uniform(), q[g, :dv], "draft model")
             # confidence (only for a length policy): the probability the draft gave its token; for
             # greedy (q one-hot) the draft's softmax probability of its argmax, still a sureness signal.
             if keep_going is not None:

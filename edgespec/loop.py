@@ -209,8 +209,9 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     prompt = _check_prompt(prompt_ids, target)
     # A drafter has propose(); anything else is taken as a draft model's Backend.
     drafter = draft if draft is None or hasattr(draft, "propose") else ModelDrafter(draft)
-    vocab = min(v for v in (target.vocab_size, config.vocab_size,
-                            None if drafter is None else drafter.vocab_size) if v is not None)
+    # The sample space is the target's ids (a draft with fewer rows gives the others q = 0), so the
+    # output is distributed as plain decoding's whatever the draft's vocabulary.
+    vocab = min(v for v in (target.vocab_size, config.vocab_size) if v is not None)
     stats = GenerationStats()
     out: list[int] = []
     sources: list[str] = []
@@ -243,6 +244,9 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     # the backend's length counts decoder positions only, so the prompt does not count here.)
     if target.length + config.max_new_tokens - 1 > target.max_length:
         room = target.max_length - target.length + 1
+        if target.length < prompt.size:  # an encoder-decoder: the prompt went to the encoder
+            raise PromptTooLongError(f"max_new_tokens ({config.max_new_tokens}) exceeds the decoder's {target.max_length} "
+                                     f"positions; lower max_new_tokens to at most {max(room, 0)}")
         raise PromptTooLongError(
             f"prompt ({prompt.size} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the model's "
             f"{target.max_length} positions; shorten the prompt or lower max_new_tokens to at most {max(room, 0)}")

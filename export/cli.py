@@ -13,9 +13,12 @@ examples:
   edgespec export --model ckpt/gpt2 --out bundles/gpt2            (single model: plain decoding only)
   edgespec export --target T --draft D --out B --quantize-draft int8
 
-Precision: fp32 by default. --quantize int8 applies ONNX Runtime dynamic int8 quantization
-(MatMul/Gemm weights int8, activations quantized at run time) to both models; --quantize-target /
---quantize-draft set it per model and override --quantize. fp16 export is not supported yet.
+Precision: fp32 by default. --quantize int8 quantizes both models' MatMul weights to int8;
+--quantize-target / --quantize-draft set it per model and override --quantize. A draft gets ONNX
+Runtime's dynamic quantization (activations quantized with one scale per call: fastest); a target
+gets weight-only blockwise int8 (MatMulNBits; activations quantized per token), because with one
+scale per call a position's logits would depend on the other tokens verified with it and the
+speculative output would no longer match plain decoding. fp16 export is not supported yet.
 Graphs: Llama and GPT-2 decoders get edgespec's static-KV graph (KV written in place, so rolling back a rejected
 draft copies nothing); other architectures are traced by optimum-onnx (--graph chooses).
 Every model is validated against PyTorch (prefill, 1-token step, multi-token step); above

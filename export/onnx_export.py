@@ -31,7 +31,7 @@ def load_torch_model(ckpt: Checkpoint):
     try:
         model = cls.from_pretrained(str(ckpt.path), use_safetensors=True, local_files_only=True, dtype=torch.float32)
     except (RuntimeError, ValueError, OSError, KeyError) as exc:
-        text = str(exc).strip()
+        text = " ".join(str(exc).split())  # torch's message spans lines (one per tensor): one line here
         mismatch = "size mismatch" in text or "shape" in text  # config.json describes other weights
         advice = ("check that config.json belongs to these weights, or save the checkpoint again" if mismatch
                   else "save the checkpoint again with save_pretrained(..., safe_serialization=True)")

@@ -29,7 +29,7 @@ from edgespec.outputs import check_replaceable, check_writable, usual_permission
 
 from . import graph_info, static_kv, validate
 from .checkpoint import Checkpoint, inspect_checkpoint
-from .quantize import QUANT_CHOICES, QUANT_LABEL, check_dtype, quantize_int8
+from .quantize import QUANT_CHOICES, QUANT_LABEL, check_dtype, quantize_int8, quantize_int8_blockwise
 from .tokenizer_check import check_model_covers_tokenizer, load_vocab, shared_vocab, tokenizer_size
 
 DEFAULT_ATOL = 1e-3  # fp32 ORT vs PyTorch on logits and KV (typical real-model diffs: 1e-5..1e-4)
@@ -106,10 +106,22 @@ def _eos_ids(folder: Path, config: dict) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
 
 
+def _rope_switch(config: dict) -> int | None:
+    """Length at which the checkpoint's rotary factors change (Phi-3's longrope: short factors up to
+    original_max_position_embeddings tokens, long ones past it). The traced graph keeps the short
+    ones, so a bundle must stop there; None when the factors do not depend on the length."""
+    rope = config.get("rope_scaling")
+    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+    orig = config.get("original_max_position_embeddings")
+    if kind in ("longrope", "su") and isinstance(orig, int) and orig < (config.get("max_position_embeddings") or 0):
+        return orig
+    return None
+
+
 def _max_positions(ckpt: Checkpoint) -> int:
     for key in ("max_position_embeddings", "n_positions", "n_ctx"):
         if isinstance(ckpt.config.get(key), int):
-            return int(ckpt.config[key])
+            return min(int(ckpt.config[key]), _rope_switch(ckpt.config) or int(ckpt.config[key]))
     if ckpt.kind == contract.KIND_SEQ2SEQ:
         return T5_DEFAULT_MAX_POSITIONS
     raise UnsupportedArchitectureError(f"{ckpt.path}/config.json has no max_position_embeddings / n_positions; add it and export again")
@@ -171,12 +183,18 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
             stages = validate.validate_decoder(model, folder, num_layers, limit, kv_capacity=capacity)
         return validate.summarize(stages, atol, what)
 
+    switch = _rope_switch(ckpt.config)
+    if switch is not None:
+        warnings.warn(f"{role}: {ckpt.path} uses length-dependent rotary scaling (longrope): its factors change past "
+                      f"{switch} tokens and the exported graph keeps the short ones, so the bundle is limited to "
+                      f"{switch} positions (prompt + new tokens); longer contexts are refused at run time", EdgeSpecWarning, stacklevel=2)
     progress(f"{role}: validating ONNX Runtime vs PyTorch (prefill, 1-token step, {validate.MULTI_STEP_TOKENS}-token step)")
     record = {"fp32": run_validation(f"{role} (fp32)", opts.atol)}
     if quant == "int8":
-        progress(f"{role}: int8 dynamic quantization")
+        blockwise = role == contract.ROLE_TARGET  # see quantize_int8_blockwise: a target must stay causal
+        progress(f"{role}: int8 {'weight-only (blockwise)' if blockwise else 'dynamic'} quantization")
         for name in files.values():
-            quantize_int8(folder / name)
+            (quantize_int8_blockwise if blockwise else quantize_int8)(folder / name)
         progress(f"{role}: validating the int8 graphs vs PyTorch")
         record["int8"] = run_validation(f"{role} (int8)", opts.quantized_atol)
 
@@ -203,7 +221,7 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
         head_size=head_size,
         max_positions=_max_positions(ckpt),
         dtype=opts.dtype,
-        quantization=QUANT_LABEL[quant],
+        quantization=QUANT_LABEL[role][quant],
         parameter_bytes=bytes_record,
         validation=record,
         kv_layout=layout,

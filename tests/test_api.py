@@ -37,8 +37,7 @@ def _first_divergence_report(engine, prompt_ids, spec, plain) -> str:
             logits = t.extend(np.array(plain[:i]))[-1]
     else:
         logits = t.prefill(np.array(prompt_ids + plain[:i]))
-    vocab = min(engine.target.vocab_size, engine.draft.vocab_size)
-    logits = logits[:vocab]
+    logits = logits[:engine.vocab_size]
     a, b = (spec[i], plain[i]) if i < min(len(spec), len(plain)) else (None, None)
     gap = float(logits[b] - logits[a]) if a is not None else float("nan")
     return f"first difference at new-token position {i}: speculative {a}, plain {b}, target logit gap {gap:.3g}"
@@ -102,6 +101,27 @@ def test_stream_equals_non_streamed(engines, arch):
     assert StreamChunk("a", [1]) != StreamChunk("a", [2]) and StreamChunk("a", [1]) == "a"
     assert StreamChunk("", [7]) and not StreamChunk("", [])    # ids but held-back text: still a chunk
     assert stream.result.sources == full.sources
+
+
+def test_stream_ending_inside_a_character_flushes_its_tail():
+    """Byte-level BPE splits characters across tokens; the stream holds back an incomplete one. If
+    generation ends there, the held-back text (U+FFFD, as the full decode has it) must still come
+    out, so that "".join(stream) is the text."""
+    from edgespec.api import TextStream, _Detokenizer
+
+    class Bytes:  # decodes ids as bytes, like a byte-level tokenizer
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    def blocks():
+        yield list("ab".encode())
+        yield list("\u00e9".encode())[:1]      # first byte of a 2-byte character, then the end
+        return "done"
+
+    stream = TextStream(blocks(), _Detokenizer(Bytes()), finish=lambda value: value)
+    chunks = list(stream)
+    assert [c.ids for c in chunks] == [[97, 98], [0xC3], []]
+    assert "".join(chunks) == Bytes().decode([97, 98, 0xC3]) == "ab\ufffd" and stream.result == "done"
 
 
 def test_stop_conditions_and_stats(engines):

@@ -185,13 +185,13 @@ def test_adaptive_bound_replays_a_greedy_trace(tiny_checkpoints, tmp_path):
     shutil.copytree(target, noisy)
     weights = load_file(noisy / "model.safetensors")
     gen = torch.Generator().manual_seed(0)
-    save_file({k: v + 0.6 * v.std() * torch.randn(v.shape, generator=gen) if v.ndim == 2 else v
+    save_file({k: v + 0.4 * v.std() * torch.randn(v.shape, generator=gen) if v.ndim == 2 else v
                for k, v in weights.items()}, noisy / "model.safetensors")
     bundle = tmp_path / "bundle"
     export_bundle(target, bundle, draft=noisy, progress=None)
     eng = edgespec.load(bundle, threads=1)
     ids = [5, 9, 13, 22, 31, 7]
-    tr = ab.trace(eng, [ids], 30, eng.manifest.shared_vocab_size)
+    tr = ab.trace(eng, [ids], 30, eng.vocab_size)
     assert 0.2 < np.mean(tr[0]["match"]) < 0.95  # some drafts kept, some not
     # replay with unit costs counts target calls per emitted token: compare with the loop's own count
     for gamma in (1, 3):
@@ -200,7 +200,7 @@ def test_adaptive_bound_replays_a_greedy_trace(tiny_checkpoints, tmp_path):
         n = len(tr[0]["match"])
         assert real.emitted == n and real.target_calls - 1 == round(n / rate), gamma  # prefill call excluded
     # the richer predictors run on real traces (one fitted, the other replayed)
-    vocab = eng.manifest.shared_vocab_size
+    vocab = eng.vocab_size
     cal = ab.trace(eng, [[3, 8, 1, 4], [11, 12, 2], [40, 41]], 30, vocab)
     rows = ab.predictor_rows(cal, tr, vocab, 0.05, lambda k: 1.0 + 0.1 * (k - 1))
     assert len(rows) == 3 and all(np.isfinite(held) and held > 0 for _, held, _ in rows)
@@ -243,6 +243,33 @@ def test_adaptive_bound_predictors_learn_a_signal_that_decides_the_outcome():
     for name, held, _ in ab.predictor_rows(cal, test, 50, t_draft, t_target):
         assert held > best_static and held > near_oracle, (name, held, best_static, near_oracle)
         assert "AUC 1.000" in name, name
+
+
+def test_adaptive_bound_regime_policy_follows_the_recent_keep_rate():
+    """A synthetic trace whose drafts all have the same confidence, kept in long easy stretches and
+    rarely in hard ones: the confidence says nothing, the recent keep rate says everything. The
+    regime-split policy must beat the shipped one there; with its split out of reach (always one
+    regime) it must be the shipped policy (a mutant check of the regime switch)."""
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    from edgespec.adaptive import AdaptiveGamma
+
+    spec = importlib.util.spec_from_file_location("adaptive_bound", Path(__file__).parents[1] / "benchmarks" / "adaptive_bound.py")
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    rng = np.random.default_rng(0)
+    easy = np.repeat(np.arange(40) % 2 == 0, 150)                       # [6000] stretches of 150 positions
+    match = np.where(easy, rng.random(easy.size) < 0.97, rng.random(easy.size) < 0.3)
+    tr = [{"match": match.tolist(), "conf": [0.5] * easy.size}]
+    t_draft, t_target = 0.02, (lambda k: 1.0 + 0.1 * (k - 1))
+    shipped = ab.replay(tr, 8, t_draft, t_target, policy=lambda: AdaptiveGamma(8), shared=True)
+    regime = ab.replay(tr, 8, t_draft, t_target, policy=lambda: ab.RegimeAdaptive(8), shared=True)
+    assert regime > 1.05 * shipped, (regime, shipped)
+    one_regime = ab.replay(tr, 8, t_draft, t_target, policy=lambda: ab.RegimeAdaptive(8, split=-1.0), shared=True)
+    assert one_regime == shipped
 
 
 def test_adaptive_bound_logistic_and_auc():

@@ -101,6 +101,22 @@ def test_ngram_drafter_is_exact():
     assert_matches_target(target, outs, sampling, "n-gram drafter")
 
 
+@pytest.mark.parametrize("draft_vocab", [3, 6], ids=["draft-fewer-ids", "draft-more-ids"])
+def test_draft_with_another_vocabulary_size_is_exact(draft_vocab):
+    """Target and draft with different row counts (padding rows, a resized embedding): the sample
+    space is the target's ids; ids the draft lacks get q = 0 (reachable through the residual and the
+    bonus), ids only the draft has are never proposed. The output is the target's distribution over
+    all its ids (it used to be restricted to the ids both models have)."""
+    sampling = SamplingConfig(1.0)
+    target, _ = make_pair()
+    db = ToyBackend(ToyLM(draft_vocab, ORDER, seed=5, scale=1.5), 64)
+    cls = lambda _db: ModelDrafter(db)  # noqa: E731
+    target, outs, _, kinds = sample_outputs(3, sampling, N_SAMPLES // 2, seed=13, draft_factory=cls)
+    assert {"accepted", "recovered", "bonus"} <= kinds
+    assert (outs == V - 1).any()  # the target's last id appears (the draft with 3 ids never proposes it)
+    assert_matches_target(target, outs, sampling, f"draft vocabulary {draft_vocab}, target {V}")
+
+
 def test_adaptive_gamma_is_exact():
     sampling = SamplingConfig(1.0)
     target, outs, _, kinds = sample_outputs(4, sampling, N_SAMPLES, adaptive=True, seed=11)

@@ -63,7 +63,7 @@ def test_single_model_cli_and_int8(tiny_checkpoints, tmp_path, capsys):
     m = _manifest(out)
     assert set(m["models"]) == {"target"}
     t = m["models"]["target"]
-    assert t["quantization"] == "int8-dynamic" and "int8" in t["validation"]
+    assert t["quantization"] == "int8-blockwise" and "int8" in t["validation"]
     assert m["shared_vocab_size"] == t["vocab_size"]
     assert "wrote bundle" in capsys.readouterr().out
 
@@ -250,3 +250,96 @@ def test_target_as_its_own_draft_warns(tiny_checkpoints, tmp_path):
     target, _ = tiny_checkpoints("gpt2")
     with pytest.warns(EdgeSpecWarning, match="the draft is the target itself"):
         export_bundle(target, tmp_path / "self", draft=target, progress=None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "t5"])
+def test_int8_target_is_causal_and_exact(tiny_checkpoints, tmp_path, arch):
+    """An int8 target must stay one fixed causal model: a position's logits may not depend on the
+    other tokens in the same call (dynamic activation quantization, one scale per call, broke this:
+    changing a later token moved an earlier row's logits by O(1)), so greedy speculative output is
+    token-identical to plain decoding of the same int8 bundle."""
+    import numpy as np
+
+    import edgespec
+
+    target, draft = tiny_checkpoints(arch)
+    out = tmp_path / "q8"
+    assert main(["export", "--target", str(target), "--draft", str(draft), "--out", str(out), "--quantize", "int8", "--quiet"]) == 0
+    m = _manifest(out)
+    assert m["models"]["target"]["quantization"] == "int8-blockwise"
+    assert m["models"]["draft"]["quantization"] == "int8-dynamic"
+    eng = edgespec.load(out, threads=1)
+    t = eng.target
+    prompt = [5, 9, 13, 22, 31, 7]
+    t.prefill(prompt)
+    n0 = t.length
+    block = t.extend([40, 41, 42, 43])                                          # [4, V]
+    t.rewind_to(n0)
+    changed = t.extend([40, 41, 42, 3 if 43 != 3 else 4])                       # [4, V]: only the last token differs
+    t.rewind_to(n0)
+    alone = t.extend([40])                                                      # [1, V]
+    assert np.abs(block[:3] - changed[:3]).max() == 0.0
+    assert np.abs(block[0] - alone[0]).max() < 1e-4
+    for ids in ([5, 9, 13, 22, 31, 7], [1, 2, 3], [60, 8, 61, 9, 62]):
+        plain = eng.generate(ids, max_new_tokens=24, temperature=0, use_draft=False).ids
+        for gamma in (3, None):
+            assert eng.generate(ids, max_new_tokens=24, temperature=0, gamma=gamma).ids == plain, (ids, gamma)
+
+
+def test_longrope_checkpoint_is_capped_where_its_rotary_factors_switch(tmp_path, capsys):
+    """Phi-3's longrope uses short rotary factors up to original_max_position_embeddings tokens and
+    long ones past it; the traced graph keeps the short ones. The bundle must stop at that length
+    (with a warning), and up to it the graph must match PyTorch."""
+    import numpy as np
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    import edgespec
+    from edgespec.errors import PromptTooLongError
+
+    torch.manual_seed(0)
+    cfg = Phi3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=2, max_position_embeddings=64, original_max_position_embeddings=16,
+                     rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [4.0] * 8},
+                     bos_token_id=3, eos_token_id=1, pad_token_id=0)
+    model = Phi3ForCausalLM(cfg).eval()
+    ckpt = tiny_models._save(model, tmp_path / "phi3")
+    out = tmp_path / "b"
+    assert main(["export", "--model", str(ckpt), "--out", str(out), "--quiet"]) == 0
+    assert "limited to 16 positions" in capsys.readouterr().err
+    assert _manifest(out)["models"]["target"]["max_positions"] == 16
+    eng = edgespec.load(out, load_draft=False)
+    ids = [5 + (i * 7) % 80 for i in range(16)]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0, -1].numpy()
+    assert np.abs(eng.target.prefill(ids)[:96] - ref).max() < 1e-3
+    with pytest.raises(PromptTooLongError):
+        eng.generate(ids, max_new_tokens=4)
+
+
+def test_sliding_window_shorter_than_the_validation_pass(tmp_path):
+    """A sliding-window model whose window is shorter than validation's 12 tokens: PyTorch's cache
+    keeps only the window's last positions, so validation compares those (it failed with a shape
+    mismatch before); the bundle's greedy output matches transformers' generate past the window."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    import edgespec
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=tiny_models.TOKENIZER_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, max_position_embeddings=64, sliding_window=4,
+                        bos_token_id=3, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False)
+    model = MistralForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper logits than the default init: no near-ties over 24 tokens
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    ckpt = tiny_models._save(model, tmp_path / "mistral")  # no padding rows: HF samples the same ids
+    out = tmp_path / "b"
+    assert main(["export", "--model", str(ckpt), "--out", str(out), "--quiet"]) == 0
+    ids = [5, 9, 13, 22, 31, 7]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+                             eos_token_id=1)[0, len(ids):].tolist()                # ends with eos, as ours does
+    assert edgespec.load(out, load_draft=False).generate(ids, max_new_tokens=24, temperature=0).ids == ref
