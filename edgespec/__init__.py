@@ -1,6 +1,7 @@
 """edgespec: exact speculative decoding (Leviathan, Kalman, Matias, ICML 2023) for ONNX Runtime
 and XLA. This module only re-exports the public API."""
 from .adaptive import AdaptiveGamma
+from .api import load
 from .backend import Backend
 from .config import GenerationConfig, SamplingConfig
 from .drafters import ModelDrafter, NgramDrafter
@@ -10,13 +11,6 @@ from .rejection import speculative_sample
 from . import theory
 
 __version__ = "0.1.0"
-
-
-def load(*args, **kwargs):
-    """Load an exported bundle: see :func:`edgespec.api.load`."""
-    from .api import load as _load  # imported lazily: keeps `import edgespec` light
-
-    return _load(*args, **kwargs)
 
 
 __all__ = [

@@ -29,7 +29,7 @@ import numpy as np
 from . import contract
 from .adaptive import AdaptiveGamma
 from .bundle import BundleManifest, load_bundle
-from .config import GenerationConfig, SamplingConfig
+from .config import GenerationConfig, SamplingConfig, as_int
 from .drafters import LookaheadDrafter, NgramDrafter
 from .errors import (BundleError, EdgeSpecWarning, EngineBusyError, InvalidArgumentError, PromptTooLongError,
                      TokenizerMismatchError)
@@ -290,7 +290,7 @@ class Engine:
 
     def _prompt_ids(self, prompt, use_draft: bool) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt.strip():
+            if not prompt:  # whitespace is text: "\n" encodes to tokens
                 raise InvalidArgumentError("the prompt is empty; pass some text (or a non-empty list of token ids)")
             ids = self.encode(prompt)
             if not ids:
@@ -355,15 +355,24 @@ class Engine:
         With the ONNX runtime any gamma >= 1 works (the graphs take any number of new tokens); with
         ``runtime="xla"`` gamma + 1 may not exceed the artifacts' verify width (xla.json, default 9);
         ``use_draft=False`` (or a single-model bundle) decodes plainly with the target.
+        ``lenience`` < 1 (Appendix A.5) keeps more drafts and is NOT exact; 1 (the default) is.
+        ``stop_token_ids``: generation ends after the first of these ids, which is the last of ``.ids``
+        (as an EOS token is). Numbers may be numpy scalars; ``gamma="auto"`` is ``None``.
         Returns a GenerationOutput, or with ``stream=True`` a TextStream of StreamChunks whose
         ``.result`` is the GenerationOutput once the stream is exhausted.
         """
         from .loop import iter_generate
 
+        seed, gamma = as_int(seed), None if gamma == "auto" else as_int(gamma)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise InvalidArgumentError(f"seed must be a non-negative integer or None; got {seed!r}")
         if drafter not in ("model", "lookahead", "ngram"):
             raise InvalidArgumentError(f"drafter must be 'model', 'lookahead' or 'ngram' (prompt lookup); got {drafter!r}")
+        if drafter == "lookahead" and use_draft and self.draft is None:
+            raise InvalidArgumentError(
+                "drafter='lookahead' drafts with the bundle's draft model, and this engine has none ("
+                + ("a single-model bundle: export one with --draft" if self.manifest.draft is None else "loaded with load_draft=False")
+                + "); use drafter='ngram' (prompt lookup, no model) or use_draft=False")
         ngram = bool(use_draft) and drafter == "ngram"
         use_draft = bool(use_draft) and self.draft is not None and not ngram  # the draft model takes part
         fixed = [gamma] if isinstance(gamma, int) and not isinstance(gamma, bool) else []
@@ -381,6 +390,10 @@ class Engine:
             max_gamma=max_gamma,
             vocab_size=self.vocab_size,
         )
+        never = [s for s in config.stop_token_ids if s >= self.vocab_size]
+        if never:
+            raise InvalidArgumentError(f"stop_token_ids {never[:5]} can never be generated (this bundle's token ids are "
+                                       f"< {self.vocab_size}); pass ids of its tokenizer (engine.encode(text))")
         ids = self._prompt_ids(prompt_or_ids, use_draft)
         self._check_lengths(len(ids), max_new_tokens, use_draft)
         rng = np.random.default_rng(seed)

@@ -2,9 +2,27 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 from .errors import InvalidArgumentError
+
+
+def as_int(v):
+    """A numpy integer (np.int64(3)) as a Python int; anything else unchanged, for the checks to judge."""
+    return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v
+
+
+def as_float(v):
+    """A numpy or Python real (np.float32(0.7), 1) as a Python float; anything else unchanged."""
+    return float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else v
+
+
+def _normalise(obj, ints: tuple[str, ...], floats: tuple[str, ...]) -> None:
+    for name in ints:
+        object.__setattr__(obj, name, as_int(getattr(obj, name)))
+    for name in floats:
+        object.__setattr__(obj, name, as_float(getattr(obj, name)))
 
 
 @dataclass(frozen=True)
@@ -20,6 +38,7 @@ class SamplingConfig:
     top_p: float = 1.0
 
     def __post_init__(self) -> None:
+        _normalise(self, ("top_k",), ("temperature", "top_p"))
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
             raise InvalidArgumentError(f"temperature must be a finite number >= 0 (0 = greedy); got {t!r}")
@@ -49,6 +68,9 @@ class GenerationConfig:
     vocab_size: int | None = None  # sample only ids < vocab_size (the tokenizer's; None: every id the target has)
 
     def __post_init__(self) -> None:
+        _normalise(self, ("max_new_tokens", "gamma", "max_gamma", "vocab_size"), ("lenience",))
+        object.__setattr__(self, "eos_token_ids", tuple(as_int(i) for i in self.eos_token_ids))
+        object.__setattr__(self, "stop_token_ids", tuple(as_int(i) for i in self.stop_token_ids))
         m = self.max_new_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1; got {m!r}")

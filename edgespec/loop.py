@@ -29,9 +29,9 @@ class GenerationStats:
     target_calls: int = 0            # all target forward calls, prefill included
     draft_calls: int = 0             # draft steps, one per drafted token (a model drafter: one forward call each)
     drafted: int = 0                 # draft tokens proposed
-    accepted: int = 0                # draft tokens kept
+    accepted: int = 0                # draft tokens the target kept (an EOS/stop id may cut some from the output)
     emitted: int = 0                 # tokens committed (the output length)
-    round_tokens: int = 0            # tokens committed by speculative rounds
+    round_tokens: int = 0            # tokens committed by speculative rounds (1 + plain_steps + this = emitted)
     plain_steps: int = 0             # target steps without drafts (nothing to draft, no room)
     accepted_hist: list[int] = field(default_factory=list)  # [n] rounds that kept n drafts
     gamma_hist: list[int] = field(default_factory=list)     # [g] rounds drafted with gamma g
@@ -271,6 +271,9 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
         else:
             tokens, kinds = [_plain_step(target, out, config, rng, vocab, stats)], [TARGET]
         block, reason = commit(tokens, kinds)
+        # An EOS or stop id inside a round cuts the tokens after it from the output: round_tokens
+        # counts the output; accepted/beta keep the target's verdict (a property of the pair).
+        stats.round_tokens -= len(tokens) - len(block)
         yield block
     stats.emitted = len(out)
     stats.total_s = time.perf_counter() - start

@@ -132,6 +132,8 @@ def test_stop_conditions_and_stats(engines):
     stop = longer.ids[6]
     cut = eng.generate(PROMPT, max_new_tokens=20, temperature=0, stop_token_ids=[stop])
     assert cut.finish_reason == "stop" and cut.ids[-1] == stop and stop not in cut.ids[:-1]
+    for o in (longer, cut):  # the prefill's token, plain steps and rounds add up to the output, cut or not
+        assert 1 + o.stats.plain_steps + o.stats.round_tokens == o.stats.emitted == len(o.ids)
     assert cut.ids == longer.ids[: len(cut.ids)]
     s = longer.stats.to_dict()
     assert s["emitted"] == len(longer.ids) == 20
@@ -149,14 +151,26 @@ def test_ids_prompt_and_single_model_bundle(engines, tiny_bundle):
     no_draft = load(tiny_bundle("gpt2"), load_draft=False)
     assert not no_draft.has_draft
     assert set(no_draft.generate(PROMPT, max_new_tokens=4, temperature=0).sources) == {"target"}
+    with pytest.raises(InvalidArgumentError, match="lookahead.*load_draft=False.*ngram"):  # not a silent plain run
+        no_draft.generate(PROMPT, max_new_tokens=4, drafter="lookahead")
 
 
 def test_bad_inputs(engines):
     eng = engines("gpt2")
     with pytest.raises(InvalidArgumentError, match="empty"):
         eng.generate("")
-    with pytest.raises(InvalidArgumentError, match="empty"):
+    with pytest.raises(InvalidArgumentError, match="encodes to no tokens"):  # whitespace is text; this tokenizer drops it
         eng.generate("   ")
+    with pytest.raises(InvalidArgumentError, match="can never be generated"):
+        eng.generate(PROMPT, stop_token_ids=[eng.vocab_size])
+    # numpy scalars are numbers like any other; "auto" is adaptive gamma, as on the command line
+    a = eng.generate(PROMPT, max_new_tokens=np.int64(6), temperature=np.float32(0.7), top_k=np.int64(5),
+                     top_p=np.float64(0.9), gamma=np.int64(2), seed=np.int64(3), stop_token_ids=[np.int64(eng.vocab_size - 1)])
+    b = eng.generate(PROMPT, max_new_tokens=6, temperature=0.7, top_k=5, top_p=0.9, gamma=2, seed=3,
+                     stop_token_ids=[eng.vocab_size - 1])
+    assert a.ids == b.ids
+    assert eng.generate(PROMPT, max_new_tokens=6, temperature=0, gamma="auto").ids == \
+        eng.generate(PROMPT, max_new_tokens=6, temperature=0).ids
     with pytest.raises(InvalidArgumentError, match="non-empty"):
         eng.generate([])
     with pytest.raises(InvalidArgumentError, match=r"\[0, 80\)"):  # shared vocab with the draft

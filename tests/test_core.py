@@ -139,6 +139,11 @@ def test_eos_inside_a_block_cuts_there():
     r2 = generate(target, [1], cfg(max_new_tokens=100, gamma=6, sampling=GREEDY, stop_token_ids=(eos,)),
                   np.random.default_rng(0), draft)
     assert r2.tokens == ref[:first + 1] and r2.finish_reason == "stop"
+    # statistics describe the output: the cut tokens are not counted as committed
+    for res in (r, r2):
+        st = res.stats
+        assert 1 + st.plain_steps + st.round_tokens == st.emitted == len(res.tokens)
+        assert st.accepted > st.round_tokens - st.rounds  # the target kept drafts the output does not hold
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 9, 10, 11])
