@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     static = {g: replay(tr, g, t_draft, t_target) for g in range(1, 11)}
     best_g = max(static, key=static.get)
     # one policy across prompts, as an Engine keeps one across calls with the same settings
-    adaptive = {cap: replay(tr, cap, t_draft, t_target, policy=lambda cap=cap: AdaptiveGamma(cap), shared=True)
+    shipped = {cap: replay(tr, cap, t_draft, t_target, policy=lambda cap=cap: AdaptiveGamma(cap), shared=True)
                 for cap in sorted({args.max_gamma, 16})}
     regime = {cap: replay(tr, cap, t_draft, t_target, policy=lambda cap=cap: RegimeAdaptive(cap), shared=True)
               for cap in sorted({args.max_gamma, 16})}
@@ -323,7 +323,7 @@ def main(argv=None) -> int:
     bound, th_best, cap_best = max(thresholds)
     orc = {cap: oracle(tr, cap, t_draft, t_target) for cap in (4, 8, 16)}
     rows = [("static gamma " + str(g), v) for g, v in static.items()]
-    rows += [(f"adaptive (online, max_gamma {cap})", v) for cap, v in adaptive.items()]
+    rows += [(f"adaptive (online, max_gamma {cap})", v) for cap, v in shipped.items()]
     rows += [(f"adaptive, keep table split by the last 16 drafts' keep rate (online, max_gamma {cap})", v)
              for cap, v in regime.items()]
     rows += [(f"best threshold policy, in-sample calibration (threshold {th_best:.2f}, cap {cap_best})", bound)]

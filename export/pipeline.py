@@ -110,9 +110,9 @@ def _rope_switch(config: dict) -> int | None:
     """Length at which the checkpoint's rotary factors change (Phi-3's longrope: short factors up to
     original_max_position_embeddings tokens, long ones past it). The traced graph keeps the short
     ones, so a bundle must stop there; None when the factors do not depend on the length."""
-    rope = config.get("rope_scaling")
+    rope = config.get("rope_scaling") or config.get("rope_parameters")  # the latter: newer transformers
     kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
-    orig = config.get("original_max_position_embeddings")
+    orig = config.get("original_max_position_embeddings") or (rope.get("original_max_position_embeddings") if kind else None)
     if kind in ("longrope", "su") and isinstance(orig, int) and orig < (config.get("max_position_embeddings") or 0):
         return orig
     return None
@@ -193,8 +193,14 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     if quant == "int8":
         blockwise = role == contract.ROLE_TARGET  # see quantize_int8_blockwise: a target must stay causal
         progress(f"{role}: int8 {'weight-only (blockwise)' if blockwise else 'dynamic'} quantization")
-        for name in files.values():
-            (quantize_int8_blockwise if blockwise else quantize_int8)(folder / name)
+        if blockwise:
+            if not sum(quantize_int8_blockwise(folder / name) for name in files.values()):
+                warnings.warn(f"{role}: no MatMul with a constant fp32 weight was found to quantize (Gemm nodes and "
+                              "weights fed through other ops stay fp32); the target is exported in fp32 precision",
+                              EdgeSpecWarning, stacklevel=2)
+        else:
+            for name in files.values():
+                quantize_int8(folder / name)
         progress(f"{role}: validating the int8 graphs vs PyTorch")
         record["int8"] = run_validation(f"{role} (int8)", opts.quantized_atol)
 

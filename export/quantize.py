@@ -25,10 +25,7 @@ def quantize_int8(graph: Path) -> None:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    from edgespec.bundle import onnx_external_data_locations
-
     tmp = graph.with_name(graph.stem + ".int8.onnx")
-    old_data = set(onnx_external_data_locations(graph))
     root = logging.getLogger()
     level = root.level
     with warnings.catch_warnings():
@@ -41,9 +38,7 @@ def quantize_int8(graph: Path) -> None:
                              extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
         finally:
             root.setLevel(level)
-    os.replace(tmp, graph)
-    for loc in old_data - set(onnx_external_data_locations(graph)):  # fp32 weights now unused
-        (graph.parent / loc).unlink(missing_ok=True)
+    _replace(tmp, graph)  # the fp32 weights' file goes
 
 
 def quantize_int8_blockwise(graph: Path, block: int = BLOCK) -> int:
@@ -66,62 +61,80 @@ def quantize_int8_blockwise(graph: Path, block: int = BLOCK) -> int:
     from onnx import helper, numpy_helper
 
     model = onnx.load(str(graph))  # with its external data
-    inits = {t.name: t for t in model.graph.initializer}
+    g = model.graph
+    # A weight that is also a graph input can be overridden at run time: not a constant, left alone.
+    inits = {t.name: t for t in g.initializer if t.name not in {i.name for i in g.input}}
     packed: dict[str, tuple[str, str, int, int]] = {}
     nodes, converted = [], 0
-    for node in model.graph.node:
+    for node in g.node:
         w_name = node.input[1] if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
-        w = numpy_helper.to_array(inits[w_name]) if w_name in inits else None
-        if w is None or w.ndim != 2 or w.dtype != np.float32 or w.shape[0] < 16:
+        if w_name in inits and w_name not in packed:
+            w = numpy_helper.to_array(inits[w_name])
+            if w.ndim == 2 and w.dtype == np.float32 and w.shape[0] >= 16:
+                packed[w_name] = _pack_int8(g, w_name, w, block)
+        if w_name not in packed:
             nodes.append(node)
             continue
-        if w_name not in packed:
-            k, n = w.shape
-            blocks = -(-k // block)
-            wt = np.zeros((n, blocks * block), np.float32)
-            wt[:, :k] = w.T
-            wt = wt.reshape(n, blocks, block)                                   # [N, blocks, block]
-            scale = np.abs(wt).max(-1) / 127.0                                  # [N, blocks] symmetric
-            scale[scale == 0] = 1.0
-            q = np.clip(np.rint(wt / scale[..., None]), -127, 127).astype(np.int16) + 128   # zero point 128
-            b_name, s_name = w_name + ".int8", w_name + ".scales"
-            model.graph.initializer.extend([numpy_helper.from_array(q.astype(np.uint8), b_name),       # [N, blocks, block]
-                                            numpy_helper.from_array(scale.reshape(-1), s_name)])      # [N * blocks]
-            packed[w_name] = (b_name, s_name, k, n)
         b_name, s_name, k, n = packed[w_name]
         nodes.append(helper.make_node("MatMulNBits", [node.input[0], b_name, s_name], list(node.output), name=node.name,
                                       domain="com.microsoft", K=k, N=n, bits=8, block_size=block, accuracy_level=4))
         converted += 1
-    used = {i for n in nodes for i in n.input} | {o.name for o in model.graph.output}
-    kept = [t for t in model.graph.initializer if t.name in used]
-    del model.graph.node[:]
-    model.graph.node.extend(nodes)
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(kept)
+    used = _names_used(nodes) | {o.name for o in g.output}
+    kept = [t for t in g.initializer if t.name in used]
+    del g.node[:]
+    g.node.extend(nodes)
+    del g.initializer[:]
+    g.initializer.extend(kept)
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    _save_replacing(model, graph)
+    tmp = graph.with_name(graph.stem + ".int8.onnx")
+    if model.ByteSize() > 1 << 30:  # protobuf's 2 GiB limit: large graphs keep their weights beside them
+        onnx.save(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=graph.name + ".int8.data", size_threshold=1024)
+    else:
+        onnx.save(model, str(tmp))
+    _replace(tmp, graph)
     return converted
 
 
-def _save_replacing(model, graph: Path) -> None:
-    """Write ``model`` over ``graph`` (through a temporary file) and drop weight files it no longer uses."""
-    import onnx
+def _pack_int8(g, name: str, w, block: int) -> tuple[str, str, int, int]:
+    """Add MatMulNBits' B and scales for a [K, N] weight to graph ``g``; return (B name, scales name, K, N)."""
+    import numpy as np
+    from onnx import numpy_helper
 
+    k, n = w.shape
+    blocks = -(-k // block)
+    wt = np.zeros((n, blocks * block), np.float32)                          # K padded with zero weights
+    wt[:, :k] = w.T
+    wt = wt.reshape(n, blocks, block)                                       # [N, blocks, block]
+    scale = np.abs(wt).max(-1) / 127.0                                      # [N, blocks] symmetric
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(wt / scale[..., None]), -127, 127).astype(np.int16) + 128   # zero point 128
+    b_name, s_name = name + ".int8", name + ".scales"
+    g.initializer.extend([numpy_helper.from_array(q.astype(np.uint8), b_name),      # [N, blocks, block]
+                          numpy_helper.from_array(scale.reshape(-1), s_name)])     # [N * blocks]
+    return b_name, s_name, k, n
+
+
+def _names_used(nodes) -> set[str]:
+    """Every tensor name the nodes read, sub-graphs (If/Loop/Scan bodies) included."""
+    from onnx import AttributeProto
+
+    used = set()
+    for node in nodes:
+        used.update(node.input)
+        for attr in node.attribute:
+            graphs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs) if attr.type == AttributeProto.GRAPHS else []
+            for sub in graphs:
+                used |= _names_used(sub.node) | {o.name for o in sub.output}
+    return used
+
+
+def _replace(tmp: Path, graph: Path) -> None:
+    """Move the rewritten ``tmp`` over ``graph`` and delete weight files only the old graph used."""
     from edgespec.bundle import onnx_external_data_locations
 
     old_data = set(onnx_external_data_locations(graph))
-    tmp = graph.with_name(graph.stem + ".int8.onnx")
-    for t in model.graph.initializer:  # everything inline (onnx.load kept the external-data fields)
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            t.data_location = onnx.TensorProto.DEFAULT
-            del t.external_data[:]
-    big = model.ByteSize() > 1 << 30  # protobuf's 2 GiB limit: large graphs keep their weights beside them
-    data_name = graph.name + ".int8.data"
-    if big:
-        onnx.save(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
-    else:
-        onnx.save(model, str(tmp))
     os.replace(tmp, graph)
     for loc in old_data - set(onnx_external_data_locations(graph)):
         (graph.parent / loc).unlink(missing_ok=True)

@@ -3,7 +3,7 @@
 Speculative decoding compares the draft's and the target's distributions id by id, so the two
 tokenizers must map the same text pieces to the same ids. Model vocabularies may still differ in
 size: embedding matrices are often padded past the tokenizer (T5: 32100 tokens, 32128 rows). Such
-padding rows never correspond to text; the loop compares only the first ``shared_vocab_size`` ids.
+padding rows never correspond to text; generation samples only the tokenizer's ids (``Engine.vocab_size``).
 """
 from __future__ import annotations
 

@@ -132,8 +132,6 @@ def test_stop_conditions_and_stats(engines):
     stop = longer.ids[6]
     cut = eng.generate(PROMPT, max_new_tokens=20, temperature=0, stop_token_ids=[stop])
     assert cut.finish_reason == "stop" and cut.ids[-1] == stop and stop not in cut.ids[:-1]
-    for o in (longer, cut):  # the prefill's token, plain steps and rounds add up to the output, cut or not
-        assert 1 + o.stats.plain_steps + o.stats.round_tokens == o.stats.emitted == len(o.ids)
     assert cut.ids == longer.ids[: len(cut.ids)]
     s = longer.stats.to_dict()
     assert s["emitted"] == len(longer.ids) == 20

@@ -109,7 +109,12 @@ def test_draft_with_another_vocabulary_size_is_exact(draft_vocab):
     all its ids (it used to be restricted to the ids both models have)."""
     sampling = SamplingConfig(1.0)
     target, _ = make_pair()
-    db = ToyBackend(ToyLM(draft_vocab, ORDER, seed=5, scale=1.5), 64)
+    class Strict(ToyBackend):  # an embedding has no row for an id past its vocabulary: refuse it
+        def extend(self, ids):
+            assert max(ids) < self.vocab_size, f"the draft was fed id {max(ids)} (it has {self.vocab_size})"
+            return super().extend(ids)
+
+    db = Strict(ToyLM(draft_vocab, ORDER, seed=5, scale=1.5), 64)
     cls = lambda _db: ModelDrafter(db)  # noqa: E731
     target, outs, _, kinds = sample_outputs(3, sampling, N_SAMPLES // 2, seed=13, draft_factory=cls)
     assert {"accepted", "recovered", "bonus"} <= kinds

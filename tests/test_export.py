@@ -45,7 +45,7 @@ def test_pair_export_manifest(tiny_bundle, arch):
         assert contract.LOGITS in stages["step_4"]
     t, d = m["models"]["target"], m["models"]["draft"]
     assert (t["vocab_size"], d["vocab_size"]) == (96, 80)
-    assert m["shared_vocab_size"] == 80  # padding rows differ: only shared ids are compared
+    assert m["shared_vocab_size"] == 80  # embedding rows both models have (generation samples the tokenizer's ids)
     assert m["tokenizer_check"]["identical_token_to_id_mapping"] is True
     assert t["num_layers"] == 2 and d["num_layers"] == 1
     if arch == "llama":
@@ -343,3 +343,40 @@ def test_sliding_window_shorter_than_the_validation_pass(tmp_path):
         ref = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=0,
                              eos_token_id=1)[0, len(ids):].tolist()                # ends with eos, as ours does
     assert edgespec.load(out, load_draft=False).generate(ids, max_new_tokens=24, temperature=0).ids == ref
+
+
+def test_blockwise_int8_on_hand_made_graphs(tmp_path):
+    """quantize_int8_blockwise: K not a multiple of the block, one weight shared by two MatMuls
+    (packed once), a weight that is also a graph input (overridable, so left fp32), and the result
+    close to fp32 with each row independent of the others."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgespec.export.quantize import quantize_int8_blockwise
+
+    rng = np.random.default_rng(0)
+    w, v = rng.normal(size=(200, 48)).astype(np.float32), rng.normal(size=(48, 48)).astype(np.float32)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "k", 200])
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"]), helper.make_node("MatMul", ["x", "W"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["c"]), helper.make_node("MatMul", ["c", "V"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [x, helper.make_tensor_value_info("V", TensorProto.FLOAT, [48, 48])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "k", 48])],
+                              [numpy_helper.from_array(w, "W"), numpy_helper.from_array(v, "V")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    assert quantize_int8_blockwise(path) == 2                                      # V is a graph input
+    q = onnx.load(str(path))
+    assert [n.op_type for n in q.graph.node] == ["MatMulNBits", "MatMulNBits", "Add", "MatMul"]
+    assert sorted(t.name for t in q.graph.initializer) == ["V", "W.int8", "W.scales"]
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    xs = rng.normal(size=(1, 5, 200)).astype(np.float32)
+    got = sess.run(None, {"x": xs})[0]
+    want = (2 * xs @ w) @ v
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+    changed = xs.copy()
+    changed[0, 4] *= 30
+    assert np.array_equal(sess.run(None, {"x": changed})[0][:, :4], got[:, :4])
