@@ -298,7 +298,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
                 loss, kl, tv = _losses(t_logits, d_logits, mode)
                 post = {"kl": float(kl.detach()), "tv": float(tv.detach())}
             optimizer_step(draft, opt, loss, lambda: f"draft training diverged at step {step}; lower --lr")
-            bar.set_postfix({k: f"{v:.3f}" for k, v in post.items()})
+            bar.set_postfix({k: f"{v:.3f}" for k, v in post.items()}, refresh=False)  # update() draws, at its own pace
             bar.update(1)
             history.append(post)
     draft.eval()

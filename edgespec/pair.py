@@ -361,7 +361,7 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
                                                      f"{step}; lower the learning rate")
             step += 1
             last_loss = float(loss.detach())
-            bar.set_postfix(loss=f"{last_loss:.3f}")
+            bar.set_postfix(loss=f"{last_loss:.3f}", refresh=False)  # update() draws, at its own pace
             bar.update(1)
             if step % preset.checkpoint_every == 0 and step < steps:
                 elapsed_now = elapsed + time.perf_counter() - t0

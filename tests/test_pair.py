@@ -212,14 +212,20 @@ def test_presets_are_sized_as_documented():
         assert p.target.layers > p.draft.layers or p.target.hidden > p.draft.hidden
 
 
-def test_progress_bars_are_sparse_off_a_terminal(monkeypatch):
+def test_progress_bars_are_sparse_off_a_terminal(monkeypatch, corpus, tmp_path):
     """Off a terminal (a CI log, a pipe) a bar draws a frame at most every 30 s: each frame is
-    appended to the log."""
+    appended to the log. Also in a real training run: the loss shown beside the bar must not force a
+    frame per step (set_postfix refreshes by default)."""
     import io
     import sys
 
     from edgespec.corpus import bar_options
 
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    train_pair("tiny", corpus, tmp_path / "p", seed=0, progress=True)
+    frames = log.getvalue().count("step/s") + log.getvalue().count("s/step")
+    assert 0 < frames <= 12, frames  # two bars (target, draft): open, close, and a frame per 30 s
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert bar_options(True)["mininterval"] == 30.0 and not bar_options(True)["disable"]
     assert bar_options(False)["disable"]
