@@ -106,7 +106,7 @@ def main() -> int:
     bundles = {name: ensure_bundle(args.pair, name, d) for name, d in drafts.items()}
     first = open_bundle(next(iter(bundles.values())), threads=args.threads, spinning=False)
     tok, manifest = first.tokenizer, first.manifest
-    vocab = manifest.target.tokenizer_size  # the ids generation samples from (Engine.vocab_size)
+    vocab = manifest.sample_vocab_size
     prompts = [tok.encode(p).ids for p in CODE_PROMPTS[:4]]
     eos = tuple(manifest.target.eos_token_ids)
 

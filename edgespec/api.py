@@ -101,18 +101,17 @@ class _Detokenizer:
 
     def push(self, ids: list[int]) -> str:
         self.ids.extend(ids)
-        text = self._tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        piece, self._emitted = text[self._emitted:], len(text)
-        return piece
+        text = self.text()
+        return "" if text.endswith("\ufffd") else self._take(text)
 
     def text(self) -> str:
         return self._tok.decode(self.ids, skip_special_tokens=True)
 
     def flush(self) -> str:
         """At the end: the text held back because it ended inside a character (it never will be completed)."""
-        text = self.text()
+        return self._take(self.text())
+
+    def _take(self, text: str) -> str:
         piece, self._emitted = text[self._emitted:], len(text)
         return piece
 
@@ -271,9 +270,8 @@ class Engine:
 
     @property
     def vocab_size(self) -> int:
-        """The ids generation samples from, with or without a draft: the tokenizer's. Embedding rows
-        past the tokenizer are padding (no token; T5: 32100 tokens, 32128 rows) and are never emitted."""
-        return min(self.manifest.target.tokenizer_size, self.target.vocab_size)
+        """The ids generation samples from (``BundleManifest.sample_vocab_size``: the tokenizer's)."""
+        return self.manifest.sample_vocab_size
 
     def _draft_cost(self) -> float:
         """A draft step in target steps, from the bytes each forward reads (decoding is memory

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     # they can be compared with each other too (adaptive vs static gamma below).
     results = run_settings(ob.target, ob.draft, prompts, grid, args.max_new_tokens, args.repeats, warmup=1,
                            eos_token_ids=tuple(ob.manifest.target.eos_token_ids), seed=args.seed, progress=log,
-                           vocab_size=ob.manifest.target.tokenizer_size, max_gamma=max_gamma)
+                           vocab_size=ob.manifest.sample_vocab_size, max_gamma=max_gamma)
     rows = [r.summary() for r in results]
     print(format_table(rows))
     versus = adaptive_vs_static(results)

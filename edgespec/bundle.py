@@ -71,6 +71,12 @@ class BundleManifest:
     def draft(self) -> ModelManifest | None:
         return self.models.get(contract.ROLE_DRAFT)
 
+    @property
+    def sample_vocab_size(self) -> int:
+        """The ids generation samples from, with or without a draft: the tokenizer's. Embedding rows
+        past the tokenizer are padding (no token; T5: 32100 tokens, 32128 rows) and are never emitted."""
+        return min(self.target.tokenizer_size, self.target.vocab_size)
+
     def to_dict(self) -> dict[str, Any]:
         return {"format": "edgespec-bundle", **asdict(self)}
 

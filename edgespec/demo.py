@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         setting = Setting(gamma, SamplingConfig(temperature))
         r = run_setting(ob.target, ob.draft, prompts, setting, args.max_new_tokens, args.repeats,
                         eos_token_ids=eos, seed=args.seed, progress=log,
-                        vocab_size=ob.manifest.target.tokenizer_size)
+                        vocab_size=ob.manifest.sample_vocab_size)
         rows.append(r.summary())
     m = ob.manifest
     mach = machine_description()

@@ -44,7 +44,7 @@ class ModelDrafter:
                 keep_going: KeepGoing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Draw up to gamma tokens autoregressively from q (the processed draft distribution)."""
         feed = np.asarray(generated[self.backend.length - self._base:], dtype=np.int64)  # [1 or 2] unseen tokens
-        if feed.max(initial=0) >= self.vocab_size:
+        if vocab > self.vocab_size and feed.max(initial=0) >= self.vocab_size:
             # A target with more rows than the draft can commit an id the draft has no row for.
             # Any stand-in keeps the output exact: q only has to be what the drafts were drawn from.
             feed = np.minimum(feed, self.vocab_size - 1)

@@ -121,7 +121,8 @@ def _rope_switch(config: dict) -> int | None:
 def _max_positions(ckpt: Checkpoint) -> int:
     for key in ("max_position_embeddings", "n_positions", "n_ctx"):
         if isinstance(ckpt.config.get(key), int):
-            return min(int(ckpt.config[key]), _rope_switch(ckpt.config) or int(ckpt.config[key]))
+            n = int(ckpt.config[key])
+            return min(n, _rope_switch(ckpt.config) or n)
     if ckpt.kind == contract.KIND_SEQ2SEQ:
         return T5_DEFAULT_MAX_POSITIONS
     raise UnsupportedArchitectureError(f"{ckpt.path}/config.json has no max_position_embeddings / n_positions; add it and export again")

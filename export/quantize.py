@@ -63,7 +63,8 @@ def quantize_int8_blockwise(graph: Path, block: int = BLOCK) -> int:
     model = onnx.load(str(graph))  # with its external data
     g = model.graph
     # A weight that is also a graph input can be overridden at run time: not a constant, left alone.
-    inits = {t.name: t for t in g.initializer if t.name not in {i.name for i in g.input}}
+    inputs = {i.name for i in g.input}
+    inits = {t.name: t for t in g.initializer if t.name not in inputs}
     packed: dict[str, tuple[str, str, int, int]] = {}
     nodes, converted = [], 0
     for node in g.node:
