@@ -340,3 +340,21 @@ def test_bench_checks_out_first_and_iqr_stays_in_the_data(tiny_bundle, tmp_path,
                  "--max-new-tokens", "4", "--out", str(afile)]) == 2
     err = capsys.readouterr().err
     assert "is a file" in err and "[bench]" not in err and "Traceback" not in err   # refused before measuring
+
+
+def test_int8_rows_script_shows_which_scheme_is_causal(tmp_path, monkeypatch):
+    """benchmarks/int8_rows.py on small weights: the blockwise (target) scheme's row 0 ignores a
+    change in a later row, the dynamic (draft) scheme's does not."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("int8_rows", Path(__file__).parents[1] / "benchmarks" / "int8_rows.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "K", 128)
+    monkeypatch.setattr(mod, "N", 256)
+    assert mod.main(["--calls", "2", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "int8_rows.json").read_text())["results"]
+    assert res["int8 blockwise (targets)"]["row0_when_last_row_changes"] == 0.0
+    assert res["fp32"]["row0_when_last_row_changes"] == 0.0
+    assert res["int8 dynamic (drafts)"]["row0_when_last_row_changes"] > 1e-3
