@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -202,6 +202,51 @@ def resolve_size(size: str | None, layers: int | None = None, hidden: int | None
     return s
 
 
+def _init_shape(model, size, layers, hidden, heads, intermediate):
+    """The draft's shape when training starts from ``--init``: the checkpoint's own. Only ``layers``
+    may differ, upwards (see :func:`grow_layers`); any other shape option must agree with it."""
+    from .pair import ModelSize
+
+    c = model.config
+    own = ModelSize(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
+                    intermediate=c.intermediate_size,
+                    kv_heads=None if c.num_key_value_heads == c.num_attention_heads else c.num_key_value_heads)
+    asked = {"hidden": hidden, "heads": heads, "intermediate": intermediate}
+    if size is not None:
+        named = SIZES[size] if size in SIZES else None
+        if named is None:
+            raise InvalidArgumentError(f"unknown draft size {size!r}; choose one of {', '.join(SIZES)}")
+        asked = {k: getattr(named, k) if v is None else v for k, v in asked.items()}
+    wrong = [f"{k} {v} (the checkpoint has {getattr(own, k)})" for k, v in asked.items()
+             if v is not None and v != getattr(own, k)]
+    if wrong:
+        raise InvalidArgumentError(f"--init keeps the checkpoint's shape, but the options ask for {', '.join(wrong)}; "
+                                   "drop --size/--hidden/--heads/--intermediate (only --layers may grow a draft)")
+    if layers is not None and layers < own.layers:
+        raise InvalidArgumentError(f"--layers {layers} is fewer than the --init checkpoint's {own.layers} layers; "
+                                   f"a draft can only grow: pass --layers {own.layers} or more, or drop --layers")
+    return own if layers is None else replace(own, layers=layers)
+
+
+def grow_layers(model, layers: int):
+    """``model`` (a Llama draft) with layers appended up to ``layers``: the new layers' residual
+    output projections are zero (:func:`edgespec.pair.new_llama`), so the grown draft computes
+    exactly the same distributions at step 0 and training only adds to them. Seed torch first."""
+    from .pair import new_llama
+
+    config = type(model.config).from_dict({**model.config.to_dict(), "num_hidden_layers": layers})
+    grown = new_llama(config)
+    missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
+    old = model.config.num_hidden_layers
+    new_layer = tuple(f"model.layers.{i}." for i in range(old, layers))
+    if unexpected or not all(k.startswith(new_layer) for k in missing):
+        raise TrainingError(f"cannot grow the draft from {old} to {layers} layers: parameters "
+                            f"{sorted(unexpected) or sorted(k for k in missing if not k.startswith(new_layer))} do not match")
+    grown.generation_config = model.generation_config
+    grown.eval()
+    return grown
+
+
 # ----------------------------------------------------------------------------- training
 
 def _losses(t_logits, d_logits, mode: str):
@@ -305,7 +350,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     return draft
 
 
-def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | None = "small", layers: int | None = None,
+def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | None = None, layers: int | None = None,
             hidden: int | None = None, heads: int | None = None, intermediate: int | None = None,
             corpus: Sequence[os.PathLike | str] | None = None, steps: int = 300, batch_size: int = 16,
             context: int | None = None, lr: float = 3e-3, mode: str = "mix", generated: float = 0.0,
@@ -344,7 +389,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             raise OutputExistsError(f"output folder {out_dir} lies inside the target folder {target_dir}; write elsewhere")
     except OSError:
         pass
-    draft_size = resolve_size(size, layers, hidden, heads, intermediate)
+    draft_size = resolve_size(size, layers, hidden, heads, intermediate) if init is None else None
     tmodel, tok = load_target(target_dir)
     vocab = int(tmodel.config.vocab_size)
     if len(tok) > vocab:
@@ -362,6 +407,10 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
         if _vocab(init_model) != vocab:
             raise InvalidArgumentError(f"the --init draft has {_vocab(init_model)} logits but the target {vocab}; "
                                        "they must share a tokenizer")
+        draft_size = _init_shape(init_model, size, layers, hidden, heads, intermediate)
+        if draft_size.layers > init_model.config.num_hidden_layers:
+            torch.manual_seed(seed * 100 + 3)
+            init_model = grow_layers(init_model, draft_size.layers)
 
     c = load_documents(corpus)
     special = {k: getattr(tok, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
@@ -480,7 +529,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "half greedy, half sampled (on-policy distillation; default 0)")
     parser.add_argument("--pool-size", type=int, default=512,
                         help="how many target continuations --generated draws from (default 512)")
-    parser.add_argument("--init", type=Path, default=None, help="start from this draft checkpoint instead of random weights")
+    parser.add_argument("--init", type=Path, default=None,
+                        help="start from this draft checkpoint instead of random weights (its shape; --layers N "
+                             "appends layers that start as the identity, so the draft starts where the checkpoint is)")
     parser.add_argument("--baseline", action="store_true",
                         help="also train a same-size draft on the corpus alone (same budget) and compare")
     parser.add_argument("--eval-windows", type=int, default=64)

@@ -24,18 +24,22 @@ TRACE_NEW_TOKENS = 3  # tokens fed to the with-past decoder while tracing (any v
 
 def load_torch_model(ckpt: Checkpoint):
     """Load a checkpoint from safetensors only (``use_safetensors=True``: never unpickle)."""
+    return load_torch_model_at(ckpt.path, ckpt.kind == contract.KIND_SEQ2SEQ)
+
+
+def load_torch_model_at(path: Path, seq2seq: bool):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    cls = AutoModelForSeq2SeqLM if ckpt.kind == contract.KIND_SEQ2SEQ else AutoModelForCausalLM
+    cls = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
     try:
-        model = cls.from_pretrained(str(ckpt.path), use_safetensors=True, local_files_only=True, dtype=torch.float32)
+        model = cls.from_pretrained(str(path), use_safetensors=True, local_files_only=True, dtype=torch.float32)
     except (RuntimeError, ValueError, OSError, KeyError) as exc:
         text = " ".join(str(exc).split())  # torch's message spans lines (one per tensor): one line here
         mismatch = "size mismatch" in text or "shape" in text  # config.json describes other weights
         advice = ("check that config.json belongs to these weights, or save the checkpoint again" if mismatch
                   else "save the checkpoint again with save_pretrained(..., safe_serialization=True)")
-        raise CheckpointError(f"cannot load the model in {str(ckpt.path)!r} ({text[:300]}); {advice}") from exc
+        raise CheckpointError(f"cannot load the model in {str(path)!r} ({text[:300]}); {advice}") from exc
     return model.eval()
 
 

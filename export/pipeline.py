@@ -305,8 +305,9 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
             formats["xla"] = {}
             for role, ckpt in roles.items():
                 progress(f"{role}: lowering jax.export artifacts for {', '.join(xla.get('platforms', ('cpu',)))}")
-                m = export_xla(ckpt.path, tmp / role, **xla)
-                formats["xla"][role] = {k: m[k] for k in ("platforms", "max_length", "verify_width", "jax_version") if k in m}
+                m = export_xla(ckpt.path, tmp / role, **{"atol": options.atol, **xla})
+                formats["xla"][role] = {k: m[k] for k in ("platforms", "max_length", "verify_width", "jax_version",
+                                                          "validation") if k in m}
         manifest = BundleManifest(
             formats=formats,
             schema_version=contract.SCHEMA_VERSION,

@@ -62,6 +62,7 @@ def export_xla(
     prefill_buckets: Sequence[int] | None = None,
     max_source_length: int | None = None,
     overwrite: bool = False,
+    atol: float = 1e-3,
 ) -> dict[str, Any]:
     """Write ``out_dir/xla/`` (artifacts, weights, manifest) for one checkpoint; return the manifest.
 
@@ -79,12 +80,9 @@ def export_xla(
             the largest bucket, then extended in verify-width chunks.
         max_source_length: T5 encoder bucket (longest prompt); default 512.
         overwrite: replace an existing ``out_dir/xla``.
+        atol: largest logit difference allowed between the CPU artifacts and a PyTorch forward
+            of the checkpoint (:func:`validate_xla`); the folder is removed when it is exceeded.
     """
-    import jax
-    import jax.numpy as jnp
-    from jax import export as jexport
-    from safetensors.numpy import save_file
-
     from edgespec.runtimes import xla_models as xm
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
@@ -116,6 +114,22 @@ def export_xla(
             raise OutputExistsError(f"{dest} exists; remove it or pass overwrite=True (--overwrite)")
         shutil.rmtree(dest)
     dest.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write_xla(dest, checkpoint_dir, spec, params, platforms, max_length, verify_width, widths,
+                          prefill_buckets, max_source_length, atol)
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)  # nothing half-written (a failed check, Ctrl-C, a full disk)
+        raise
+
+
+def _write_xla(dest: Path, checkpoint_dir: Path, spec, params, platforms: list[str], max_length: int,
+               verify_width: int, widths: list[int], prefill_buckets, max_source_length, atol: float) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+    from jax import export as jexport
+    from safetensors.numpy import save_file
+
+    from edgespec.runtimes import xla_models as xm
 
     t0 = time.perf_counter()
     f32, i32 = jnp.float32, jnp.int32
@@ -194,10 +208,65 @@ def export_xla(
                        "(params, kv, cross_kv, enc_len i32, ids[k] i32, pos i32) -> (logits[k,V] f32, kv)"),
         },
         "source": {"checkpoint": str(checkpoint_dir.resolve()), "config": "config.json"},
-        "export_seconds": round(time.perf_counter() - t0, 2),
     }
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    manifest["validation"] = validate_xla(checkpoint_dir, dest, spec.encoder_decoder, platforms, atol)
+    manifest["export_seconds"] = round(time.perf_counter() - t0, 2)
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def validate_xla(checkpoint_dir: Path, dest: Path, seq2seq: bool, platforms: Sequence[str], atol: float,
+                 seed: int = 0) -> dict[str, Any]:
+    """The written CPU artifacts, run by the XLA backend, against ONE cache-free PyTorch forward of
+    the checkpoint, on the calls the speculative loop makes (as the ONNX validation: a 7-token
+    prefill, a 1-token step, a 4-token verify). The JAX functions re-implement each architecture,
+    so this is what catches a config field they read wrongly. Returns the max abs logit difference
+    per stage; ValidationError when one exceeds ``atol``."""
+    import torch
+
+    from edgespec.errors import ValidationError
+    from edgespec.runtimes.xla_backend import XlaBackend
+
+    from .onnx_export import load_torch_model_at
+
+    if "cpu" not in platforms:
+        return {"skipped": "no cpu artifact to run here; add cpu to --platforms to validate against PyTorch"}
+    model = load_torch_model_at(checkpoint_dir, seq2seq)
+    be = XlaBackend.from_dir(dest, platform="cpu")
+    k = min(4, be.verify_width)
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, be.vocab_size, size=16)
+    stages: dict[str, float] = {}
+
+    def check(stage: str, got: np.ndarray, want: torch.Tensor) -> None:
+        d = np.abs(np.asarray(got, np.float64) - want.double().numpy())
+        stages[stage] = float(d.max()) if np.all(np.isfinite(d)) else float("nan")
+
+    with torch.no_grad():
+        if seq2seq:
+            src = ids[:min(7, be.max_prompt_length)]
+            dec = np.concatenate([[be.decoder_start_token_id], ids[7:7 + min(1 + k, be.max_length - 1)]])
+            ref = model(input_ids=torch.from_numpy(src[None]), decoder_input_ids=torch.from_numpy(dec[None])).logits[0]
+            check("prefill", be.prefill(src), ref[0])
+            n = 1
+        else:
+            n = max(1, min(7, be.max_length - 1 - k))
+            seq = ids[:min(n + 1 + k, be.max_length)]
+            ref = model(input_ids=torch.from_numpy(seq[None])).logits[0]
+            check("prefill", be.prefill(seq[:n]), ref[n - 1])
+            dec = seq
+        for width in dict.fromkeys((1, k)):
+            if n + width <= len(dec):
+                check(f"step_{width}", be.extend(dec[n:n + width]), ref[n:n + width])
+                n += width
+    worst = max(stages, key=lambda s: np.inf if not np.isfinite(stages[s]) else stages[s])
+    if not np.isfinite(stages[worst]) or stages[worst] > atol:
+        raise ValidationError(
+            f"{checkpoint_dir}: the XLA artifacts' logits ({worst}) differ from PyTorch by {stages[worst]:.3g} "
+            f"(tolerance {atol:g}); nothing was written. The XLA path re-implements the architecture in JAX and "
+            "reads this config differently: export ONNX only (--format onnx) and report the model's config.json")
+    return {"platform": "cpu", "atol": atol, "max_abs_diff": stages[worst], "worst_stage": worst, "stages": stages}
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,6 +298,8 @@ def add_xla_arguments(parser: argparse.ArgumentParser) -> None:
         help="padded prompt sizes for prefill, e.g. 16,64,256 (default: 16,64,256,1024 below max-length, plus max-length)")
     add("--max-source-length", type=int, default=None, help="T5: longest prompt (encoder bucket), default 512")
     add("--overwrite", action="store_true", help="replace an existing xla/ folder")
+    add("--atol", type=float, default=None,
+        help="largest logit difference from PyTorch allowed when the cpu artifacts are checked (default 1e-3)")
 
 
 def run_xla_export(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
@@ -245,6 +316,8 @@ def run_xla_export(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
               prefill_buckets=getattr(args, "prefill_buckets", None),
               max_source_length=getattr(args, "max_source_length", None),
               overwrite=bool(getattr(args, "overwrite", False)))
+    if getattr(args, "atol", None) is not None:
+        kw["atol"] = args.atol
     out = Path(getattr(args, "out"))
     single = getattr(args, "checkpoint", None)
     if single:
@@ -275,8 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EdgeSpecError as exc:
         print(f"edgespec export: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    v = m["validation"]
+    check = v["skipped"] if "skipped" in v else f"max |logits - PyTorch| {v['max_abs_diff']:.2e} on cpu"
     print(f"wrote {Path(args.out) / XLA_SUBDIR} ({m['model_type']}, platforms {','.join(m['platforms'])}, "
-          f"max_length {m['max_length']}, widths {m['widths']}, {m['export_seconds']}s)")
+          f"max_length {m['max_length']}, widths {m['widths']}, {m['export_seconds']}s; {check})")
     return 0
 
 

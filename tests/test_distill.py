@@ -202,3 +202,62 @@ def test_bad_sizes():
     assert s.layers == 2 and s.hidden == 64
     s = resolve_size(None, hidden=100)
     assert 100 % s.heads == 0 and (100 // s.heads) % 2 == 0
+
+
+def _tiny_llama(layers: int, seed: int = 0):
+    from edgespec.pair import ModelSize, new_llama
+
+    torch.manual_seed(seed)
+    m = new_llama(ModelSize(hidden=16, layers=layers, heads=2, intermediate=32).llama_config(50, 32))
+    with torch.no_grad():  # trained-looking weights: new_llama zeroes the residual outputs
+        for name, p in m.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0, 0.2)
+    return m.eval()
+
+
+def test_grow_layers_keeps_the_drafts_distributions():
+    from edgespec.distill import grow_layers
+
+    m = _tiny_llama(2)
+    torch.manual_seed(1)
+    g = grow_layers(m, 4)
+    assert g.config.num_hidden_layers == 4 and len(g.model.layers) == 4
+    assert m.config.num_hidden_layers == 2  # the checkpoint is not modified
+    x = torch.randint(0, 50, (3, 20))
+    with torch.no_grad():
+        assert torch.equal(m(input_ids=x).logits, g(input_ids=x).logits)
+        # the new layers are real: once their outputs move, the distributions move
+        g.model.layers[3].mlp.down_proj.weight.normal_(0, 0.2)
+        assert not torch.allclose(m(input_ids=x).logits, g(input_ids=x).logits)
+
+
+def test_init_shape_rules():
+    from edgespec.distill import _init_shape
+
+    m = _tiny_llama(2)
+    own = _init_shape(m, None, None, None, None, None)
+    assert (own.layers, own.hidden, own.heads, own.intermediate) == (2, 16, 2, 32)
+    assert _init_shape(m, None, 5, 16, None, 32).layers == 5
+    with pytest.raises(InvalidArgumentError, match="hidden 192 .*checkpoint has 16.*drop --size"):
+        _init_shape(m, "large", None, None, None, None)
+    with pytest.raises(InvalidArgumentError, match="heads 4"):
+        _init_shape(m, None, None, None, 4, None)
+    with pytest.raises(InvalidArgumentError, match="fewer than .* 2 layers"):
+        _init_shape(m, None, 1, None, None, None)
+
+
+@pytest.mark.slow
+def test_distill_from_init_keeps_its_shape_and_grows(target, corpus, tmp_path):
+    kw = dict(corpus=corpus, steps=2, batch_size=2, eval_windows=4, progress=False)
+    first = distill(target, tmp_path / "a", hidden=16, layers=1, heads=1, intermediate=32, **kw)
+    # the report names the checkpoint's shape (it named the default size's before)
+    same = distill(target, tmp_path / "b", init=tmp_path / "a", **kw)
+    assert same["draft_config"] == first["draft_config"] == {"hidden": 16, "layers": 1, "heads": 1, "intermediate": 32}
+    grown = distill(target, tmp_path / "c", init=tmp_path / "a", layers=3, **kw)
+    assert grown["draft_config"]["layers"] == 3 and grown["draft_params"] > first["draft_params"]
+    # the grown draft starts exactly where the checkpoint ended
+    assert grown["alpha_before"] == first["alpha_after"]
+    assert grown["alpha_on_target_before"] == first["alpha_on_target_after"]
+    with pytest.raises(InvalidArgumentError, match="only --layers may grow"):
+        distill(target, tmp_path / "d", init=tmp_path / "a", size="large", **kw)

@@ -24,6 +24,7 @@ from edgespec.errors import (  # noqa: E402
     PromptTooLongError,
     ProviderError,
     UnsupportedArchitectureError,
+    ValidationError,
 )
 from edgespec.export.xla import export_xla  # noqa: E402
 from edgespec.runtimes import xla_models as xm  # noqa: E402
@@ -189,6 +190,32 @@ def test_manifest_is_self_describing(exported):
 
 
 @pytest.mark.parametrize("name", ARCHS)
+def test_export_validates_the_artifacts_against_torch(name, exported):
+    v = json.loads((exported[name] / "xla" / "xla.json").read_text())["validation"]
+    assert v["platform"] == "cpu" and set(v["stages"]) == {"prefill", "step_1", f"step_{VERIFY}"}
+    assert 0 <= v["max_abs_diff"] == max(v["stages"].values()) < TOL
+    _record(f"{name}/export-validation", v["max_abs_diff"])
+
+
+@pytest.mark.parametrize("name", ["llama", "t5"])
+def test_export_refuses_artifacts_that_differ_from_torch(name, root, checkpoints, monkeypatch):
+    """A mutant JAX reading of the checkpoint (one weight off by 1%, as a misread config field would
+    be): the export fails and leaves no folder."""
+    real = xm.load_model
+
+    def misread(path):
+        spec, params = real(path)
+        key = "model.norm.weight" if name == "llama" else "decoder.final_layer_norm.weight"
+        return spec, {**params, key: params[key] * np.float32(1.01)}
+
+    monkeypatch.setattr(xm, "load_model", misread)
+    out = root / f"mutant-{name}"
+    with pytest.raises(ValidationError, match="differ from PyTorch.*--format onnx"):
+        export_xla(checkpoints[name], out, max_length=16, verify_width=4, prefill_buckets=(16,), max_source_length=8)
+    assert not (out / "xla").exists()
+
+
+@pytest.mark.parametrize("name", ARCHS)
 def test_backend_prefill_extend_rewind(name, backends, hf_models):
     be = backends[name]
     model = hf_models[name]
@@ -333,15 +360,17 @@ def test_speculative_self_draft_accepts_everything(name, exported, hf_models):
     assert got[:len(ref)] == ref
 
 
-def test_cli_hook(root, checkpoints):
+def test_cli_hook(root, checkpoints, capsys):
     from edgespec.export.xla import main
 
     out = root / "cli"
     rc = main([str(checkpoints["llama"]), str(out), "--platforms", "cpu,tpu", "--max-length", "24",
-               "--verify-width", "2", "--prefill-buckets", "8,24"])
+               "--verify-width", "2", "--prefill-buckets", "8,24", "--atol", "2e-4"])
     assert rc == 0
+    assert "max |logits - PyTorch|" in capsys.readouterr().out
     m = json.loads((out / "xla" / "xla.json").read_text())
     assert m["platforms"] == ["cpu", "tpu"] and m["widths"] == [1, 2] and m["prefill_buckets"] == [8, 24]
+    assert m["validation"]["atol"] == 2e-4 and set(m["validation"]["stages"]) == {"prefill", "step_1", "step_2"}
     assert main([str(checkpoints["llama"]), str(out)]) == OutputExistsError.exit_code
 
 
@@ -388,7 +417,8 @@ def test_near_full_buffer_uses_exact_widths(backends, hf_models):
 
 def test_platform_not_in_artifact(root, checkpoints):
     out = root / "tpu-only"
-    export_xla(checkpoints["gpt2"], out, platforms=("tpu",), max_length=16, verify_width=1, prefill_buckets=(16,))
+    m = export_xla(checkpoints["gpt2"], out, platforms=("tpu",), max_length=16, verify_width=1, prefill_buckets=(16,))
+    assert "add cpu to --platforms" in m["validation"]["skipped"]
     with pytest.raises(ProviderError) as ei:
         XlaBackend.from_dir(out)
     assert "tpu" in str(ei.value) and "cpu" in str(ei.value)

@@ -36,6 +36,8 @@ def xla_bundle(tmp_path_factory, tiny_checkpoints):
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
 def test_greedy_identical_across_runtimes(xla_bundle, arch):
     bundle = xla_bundle(arch)
+    for role, fmt in json.loads((bundle / "edgespec.json").read_text())["formats"]["xla"].items():
+        assert fmt["validation"]["max_abs_diff"] < 1e-4, role  # validated against PyTorch at export
     onnx, xla = load(bundle), load(bundle, runtime="xla")
     prompt = [3, 9, 4, 17, 5]
     max_logit_diff = 0.0
