@@ -202,48 +202,66 @@ def resolve_size(size: str | None, layers: int | None = None, hidden: int | None
     return s
 
 
-def _init_shape(model, size, layers, hidden, heads, intermediate):
-    """The draft's shape when training starts from ``--init``: the checkpoint's own. Only ``layers``
-    may differ, upwards (see :func:`grow_layers`); any other shape option must agree with it."""
-    from .pair import ModelSize
+def _init_shape(config, size, layers, hidden, heads, intermediate):
+    """The draft's shape when training starts from ``--init`` (its ``config``): the checkpoint's own.
+    Only ``layers`` may differ, upwards (see :func:`grow_layers`); other shape options must agree."""
+    from .pair import ModelSize, _check_int
 
-    c = model.config
+    c = config
     own = ModelSize(hidden=c.hidden_size, layers=c.num_hidden_layers, heads=c.num_attention_heads,
                     intermediate=c.intermediate_size,
                     kv_heads=None if c.num_key_value_heads == c.num_attention_heads else c.num_key_value_heads)
     asked = {"hidden": hidden, "heads": heads, "intermediate": intermediate}
     if size is not None:
-        named = SIZES[size] if size in SIZES else None
-        if named is None:
+        if size not in SIZES:
             raise InvalidArgumentError(f"unknown draft size {size!r}; choose one of {', '.join(SIZES)}")
-        asked = {k: getattr(named, k) if v is None else v for k, v in asked.items()}
+        asked = {k: getattr(SIZES[size], k) if v is None else v for k, v in asked.items()}
+        if layers is None:
+            asked["layers"] = SIZES[size].layers
     wrong = [f"{k} {v} (the checkpoint has {getattr(own, k)})" for k, v in asked.items()
              if v is not None and v != getattr(own, k)]
     if wrong:
         raise InvalidArgumentError(f"--init keeps the checkpoint's shape, but the options ask for {', '.join(wrong)}; "
                                    "drop --size/--hidden/--heads/--intermediate (only --layers may grow a draft)")
-    if layers is not None and layers < own.layers:
+    if layers is None:
+        return own
+    _check_int("layers", layers)
+    if layers < own.layers:
         raise InvalidArgumentError(f"--layers {layers} is fewer than the --init checkpoint's {own.layers} layers; "
                                    f"a draft can only grow: pass --layers {own.layers} or more, or drop --layers")
-    return own if layers is None else replace(own, layers=layers)
+    return replace(own, layers=layers)
 
 
 def grow_layers(model, layers: int):
     """``model`` (a Llama draft) with layers appended up to ``layers``: the new layers' residual
     output projections are zero (:func:`edgespec.pair.new_llama`), so the grown draft computes
     exactly the same distributions at step 0 and training only adds to them. Seed torch first."""
+    import copy
+
+    import torch
+
     from .pair import new_llama
 
-    config = type(model.config).from_dict({**model.config.to_dict(), "num_hidden_layers": layers})
-    grown = new_llama(config)
-    missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
     old = model.config.num_hidden_layers
+    cfg = model.config.to_dict()
+    cfg["num_hidden_layers"] = layers
+    for key, value in cfg.items():  # per-layer settings (layer_types, ...): the new layers repeat the last
+        if "layer" in key and isinstance(value, list) and len(value) == old:
+            cfg[key] = value + [value[-1]] * (layers - old)
+    grown = new_llama(type(model.config).from_dict(cfg))
+    missing, unexpected = grown.load_state_dict(model.state_dict(), strict=False)
     new_layer = tuple(f"model.layers.{i}." for i in range(old, layers))
     if unexpected or not all(k.startswith(new_layer) for k in missing):
         raise TrainingError(f"cannot grow the draft from {old} to {layers} layers: parameters "
                             f"{sorted(unexpected) or sorted(k for k in missing if not k.startswith(new_layer))} do not match")
-    grown.generation_config = model.generation_config
+    grown.generation_config = copy.deepcopy(model.generation_config)
     grown.eval()
+    x = torch.randint(0, _vocab(model), (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        same = torch.equal(model(input_ids=x).logits, grown(input_ids=x).logits)
+    if not same:
+        raise TrainingError(f"growing the draft from {old} to {layers} layers changed its outputs (its config has a "
+                            "per-layer setting this does not extend); train the deeper draft without --init instead")
     return grown
 
 
@@ -389,7 +407,12 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             raise OutputExistsError(f"output folder {out_dir} lies inside the target folder {target_dir}; write elsewhere")
     except OSError:
         pass
-    draft_size = resolve_size(size, layers, hidden, heads, intermediate) if init is None else None
+    if init is None:
+        draft_size = resolve_size(size, layers, hidden, heads, intermediate)
+    else:  # the checkpoint's shape, checked before the (larger) target is loaded
+        check_hf_folder(Path(init), "init draft")
+        init_model = LlamaForCausalLM.from_pretrained(Path(init), use_safetensors=True, dtype=torch.float32)
+        draft_size = _init_shape(init_model.config, size, layers, hidden, heads, intermediate)
     tmodel, tok = load_target(target_dir)
     vocab = int(tmodel.config.vocab_size)
     if len(tok) > vocab:
@@ -400,14 +423,12 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     _check_int("context", ctx, 2)
     if ctx > max_pos:
         raise InvalidArgumentError(f"context {ctx} exceeds the target's {max_pos} positions; lower --context")
-    init_model = None
-    if init is not None:
-        check_hf_folder(Path(init), "init draft")
-        init_model = LlamaForCausalLM.from_pretrained(Path(init), use_safetensors=True, dtype=torch.float32)
+    if init is None:
+        init_model = None
+    else:
         if _vocab(init_model) != vocab:
             raise InvalidArgumentError(f"the --init draft has {_vocab(init_model)} logits but the target {vocab}; "
                                        "they must share a tokenizer")
-        draft_size = _init_shape(init_model, size, layers, hidden, heads, intermediate)
         if draft_size.layers > init_model.config.num_hidden_layers:
             torch.manual_seed(seed * 100 + 3)
             init_model = grow_layers(init_model, draft_size.layers)
@@ -447,7 +468,8 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                     "lr": lr, "generated_fraction": generated, "pool_size": pool_size if generated else 0, "seed": seed,
                     "tokens_per_run": steps * batch_size * ctx, "corpus": c.description,
                     "draft_config": {"hidden": draft_size.hidden, "layers": draft_size.layers, "heads": draft_size.heads,
-                                     "intermediate": draft_size.intermediate}}
+                                     "intermediate": draft_size.intermediate,
+                                     **({} if draft_size.kv_heads is None else {"kv_heads": draft_size.kv_heads})}}
     report["target_val_loss"] = round(validation_loss(tmodel, windows), 4)
     common = dict(vocab_size=vocab, context=ctx, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                   special_ids=special, progress=progress)
@@ -511,7 +533,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, required=True, help="Hugging Face target folder (safetensors + tokenizer.json)")
     parser.add_argument("--out", type=Path, required=True, help="output folder for the draft checkpoint")
     parser.add_argument("--size", choices=sorted(SIZES), default=None,
-                        help="draft size (default small); --layers/--hidden/--heads/--intermediate override it")
+                        help="draft size (default small, or the --init checkpoint's); --layers/--hidden/--heads/"
+                             "--intermediate override it")
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--heads", type=int, default=None)

@@ -305,7 +305,8 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
             formats["xla"] = {}
             for role, ckpt in roles.items():
                 progress(f"{role}: lowering jax.export artifacts for {', '.join(xla.get('platforms', ('cpu',)))}")
-                m = export_xla(ckpt.path, tmp / role, **{"atol": options.atol, **xla})
+                m = export_xla(ckpt.path, tmp / role,
+                               **{"atol": options.atol, "vocab_limit": tokenizer_size(load_vocab(ckpt.path)), **xla})
                 formats["xla"][role] = {k: m[k] for k in ("platforms", "max_length", "verify_width", "jax_version",
                                                           "validation") if k in m}
         manifest = BundleManifest(

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shutil
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -63,6 +66,7 @@ def export_xla(
     max_source_length: int | None = None,
     overwrite: bool = False,
     atol: float = 1e-3,
+    vocab_limit: int | None = None,
 ) -> dict[str, Any]:
     """Write ``out_dir/xla/`` (artifacts, weights, manifest) for one checkpoint; return the manifest.
 
@@ -80,8 +84,10 @@ def export_xla(
             the largest bucket, then extended in verify-width chunks.
         max_source_length: T5 encoder bucket (longest prompt); default 512.
         overwrite: replace an existing ``out_dir/xla``.
-        atol: largest logit difference allowed between the CPU artifacts and a PyTorch forward
-            of the checkpoint (:func:`validate_xla`); the folder is removed when it is exceeded.
+        atol: largest logit difference allowed between the cpu artifacts and a PyTorch forward
+            of the checkpoint (:func:`validate_xla`); nothing is written when it is exceeded.
+        vocab_limit: the validation feeds token ids below it (the tokenizer's size; default all
+            embedding rows).
     """
     from edgespec.runtimes import xla_models as xm
 
@@ -95,6 +101,7 @@ def export_xla(
     platforms = list(dict.fromkeys(platforms))
     verify_width = _check_int("verify_width", verify_width, 1)
 
+    t0 = time.perf_counter()
     spec, params = xm.load_model(checkpoint_dir)
     if max_length is None:
         max_length = min(spec.max_positions, 2048) if spec.max_positions else 512
@@ -108,22 +115,42 @@ def export_xla(
     if verify_width not in widths:
         widths.append(verify_width)
 
+    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol) or atol <= 0:
+        raise InvalidArgumentError(f"atol must be a finite number > 0; got {atol!r}")
+
     dest = out_dir / XLA_SUBDIR
-    if dest.exists() and any(dest.iterdir()):
-        if not overwrite:
-            raise OutputExistsError(f"{dest} exists; remove it or pass overwrite=True (--overwrite)")
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    if dest.exists() and any(dest.iterdir()) and not overwrite:
+        raise OutputExistsError(f"{dest} exists; remove it or pass overwrite=True (--overwrite)")
+    made_out = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Written beside, renamed into place once validated: a failed check, Ctrl-C or a full disk
+    # leaves the previous xla/ (if any) as it was and nothing half-written.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{XLA_SUBDIR}.partial-", dir=out_dir))
     try:
-        return _write_xla(dest, checkpoint_dir, spec, params, platforms, max_length, verify_width, widths,
-                          prefill_buckets, max_source_length, atol)
+        manifest = _write_xla(tmp, checkpoint_dir, spec, params, platforms, max_length, verify_width, widths,
+                              prefill_buckets, max_source_length)
+        del params  # the check below loads the weights twice more, one copy at a time
+        manifest["validation"] = validate_xla(checkpoint_dir, tmp, spec.encoder_decoder, platforms, atol, vocab_limit)
+        manifest["export_seconds"] = round(time.perf_counter() - t0, 2)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        usual_permissions(tmp, recursive=True)  # mkdtemp (0700), safetensors (0600)
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{XLA_SUBDIR}.old-", dir=out_dir))
+            os.replace(dest, old / XLA_SUBDIR)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
     except BaseException:
-        shutil.rmtree(dest, ignore_errors=True)  # nothing half-written (a failed check, Ctrl-C, a full disk)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if made_out:
+            shutil.rmtree(out_dir, ignore_errors=True)
         raise
+    return manifest
 
 
 def _write_xla(dest: Path, checkpoint_dir: Path, spec, params, platforms: list[str], max_length: int,
-               verify_width: int, widths: list[int], prefill_buckets, max_source_length, atol: float) -> dict[str, Any]:
+               verify_width: int, widths: list[int], prefill_buckets, max_source_length) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
     from jax import export as jexport
@@ -131,7 +158,6 @@ def _write_xla(dest: Path, checkpoint_dir: Path, spec, params, platforms: list[s
 
     from edgespec.runtimes import xla_models as xm
 
-    t0 = time.perf_counter()
     f32, i32 = jnp.float32, jnp.int32
     p_avals = {k: jax.ShapeDtypeStruct(v.shape, f32) for k, v in params.items()}
     kv_sh = xm.kv_shape(spec, max_length)
@@ -210,62 +236,76 @@ def _write_xla(dest: Path, checkpoint_dir: Path, spec, params, platforms: list[s
         "source": {"checkpoint": str(checkpoint_dir.resolve()), "config": "config.json"},
     }
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    manifest["validation"] = validate_xla(checkpoint_dir, dest, spec.encoder_decoder, platforms, atol)
-    manifest["export_seconds"] = round(time.perf_counter() - t0, 2)
-    (dest / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
-def validate_xla(checkpoint_dir: Path, dest: Path, seq2seq: bool, platforms: Sequence[str], atol: float,
-                 seed: int = 0) -> dict[str, Any]:
-    """The written CPU artifacts, run by the XLA backend, against ONE cache-free PyTorch forward of
-    the checkpoint, on the calls the speculative loop makes (as the ONNX validation: a 7-token
-    prefill, a 1-token step, a 4-token verify). The JAX functions re-implement each architecture,
-    so this is what catches a config field they read wrongly. Returns the max abs logit difference
-    per stage; ValidationError when one exceeds ``atol``."""
-    import torch
+def validate_xla(checkpoint_dir: Path, folder: Path, seq2seq: bool, platforms: Sequence[str], atol: float,
+                 vocab_limit: int | None = None, seed: int = 0) -> dict[str, Any]:
+    """The written cpu artifacts, run by the XLA backend, against ONE cache-free PyTorch forward of
+    the checkpoint, on the calls the speculative loop makes: a prefill, a 1-token step (the draft)
+    and a verify_width-token step (the target's widest verify). The JAX functions re-implement each
+    architecture, so this is what catches a config field they read differently. Returns the max abs
+    logit difference per stage, or why the check was skipped; ValidationError over ``atol``.
+    ``vocab_limit``: token ids are drawn below it (the tokenizer's size; default all rows)."""
+    import jax
 
     from edgespec.errors import ValidationError
     from edgespec.runtimes.xla_backend import XlaBackend
 
-    from .onnx_export import load_torch_model_at
+    from . import validate
 
     if "cpu" not in platforms:
         return {"skipped": "no cpu artifact to run here; add cpu to --platforms to validate against PyTorch"}
-    model = load_torch_model_at(checkpoint_dir, seq2seq)
-    be = XlaBackend.from_dir(dest, platform="cpu")
-    k = min(4, be.verify_width)
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError:
+        return {"skipped": "PyTorch and transformers are not installed; pip install 'edgespec[export]' to validate "
+                           "the artifacts against PyTorch"}
+    try:
+        jax.devices("cpu")
+    except RuntimeError:
+        return {"skipped": "JAX has no cpu device here (JAX_PLATFORMS?); the cpu artifacts could not be run"}
+
+    # The XLA side first, then PyTorch: one copy of the weights alive at a time.
+    be = XlaBackend.from_dir(folder, platform="cpu")
+    k, room = be.verify_width, be.max_length  # decoder tokens the buffers hold
+    first = 1 if seq2seq else max(1, min(validate.PREFILL_TOKENS, room - 1 - k))  # T5: the start token
+    widths = list(dict.fromkeys((1, k)))
+    if first + sum(widths) > room:  # tiny buffers: the verify width matters more than the 1-token step
+        widths = [k] if first + k <= room else [1]
     rng = np.random.default_rng(seed)
-    ids = rng.integers(0, be.vocab_size, size=16)
-    stages: dict[str, float] = {}
+    ids = rng.integers(0, min(vocab_limit or be.vocab_size, be.vocab_size), size=validate.PREFILL_TOKENS + room)
+    src = ids[:min(validate.PREFILL_TOKENS, be.max_prompt_length)] if seq2seq else None
+    dec = (np.concatenate([[be.decoder_start_token_id], ids[-sum(widths):]]) if seq2seq
+           else ids[:first + sum(widths)])
+    got = {"prefill": (first - 1, be.prefill(src if seq2seq else dec[:first])[None])}
+    n = first
+    for w in widths:
+        got[f"step_{w}"] = (n, be.extend(dec[n:n + w]))
+        n += w
+    del be
 
-    def check(stage: str, got: np.ndarray, want: torch.Tensor) -> None:
-        d = np.abs(np.asarray(got, np.float64) - want.double().numpy())
-        stages[stage] = float(d.max()) if np.all(np.isfinite(d)) else float("nan")
+    from .onnx_export import load_torch_model_at
 
+    model = load_torch_model_at(checkpoint_dir, seq2seq)
     with torch.no_grad():
-        if seq2seq:
-            src = ids[:min(7, be.max_prompt_length)]
-            dec = np.concatenate([[be.decoder_start_token_id], ids[7:7 + min(1 + k, be.max_length - 1)]])
-            ref = model(input_ids=torch.from_numpy(src[None]), decoder_input_ids=torch.from_numpy(dec[None])).logits[0]
-            check("prefill", be.prefill(src), ref[0])
-            n = 1
-        else:
-            n = max(1, min(7, be.max_length - 1 - k))
-            seq = ids[:min(n + 1 + k, be.max_length)]
-            ref = model(input_ids=torch.from_numpy(seq[None])).logits[0]
-            check("prefill", be.prefill(seq[:n]), ref[n - 1])
-            dec = seq
-        for width in dict.fromkeys((1, k)):
-            if n + width <= len(dec):
-                check(f"step_{width}", be.extend(dec[n:n + width]), ref[n:n + width])
-                n += width
+        feed = dict(input_ids=torch.from_numpy(src[None]), decoder_input_ids=torch.from_numpy(dec[None])) if seq2seq \
+            else dict(input_ids=torch.from_numpy(dec[None]))
+        ref = model(**feed).logits[0].double().numpy()
+    del model
+    stages = {}
+    for stage, (pos, logits) in got.items():
+        d = np.abs(np.asarray(logits, np.float64) - ref[pos:pos + len(logits)])
+        stages[stage] = float(d.max()) if np.all(np.isfinite(d)) else float("nan")
     worst = max(stages, key=lambda s: np.inf if not np.isfinite(stages[s]) else stages[s])
     if not np.isfinite(stages[worst]) or stages[worst] > atol:
         raise ValidationError(
             f"{checkpoint_dir}: the XLA artifacts' logits ({worst}) differ from PyTorch by {stages[worst]:.3g} "
-            f"(tolerance {atol:g}); nothing was written. The XLA path re-implements the architecture in JAX and "
-            "reads this config differently: export ONNX only (--format onnx) and report the model's config.json")
+            f"(tolerance {atol:g}); no XLA artifacts were written. The XLA path re-implements the architecture in "
+            "JAX: if the difference is numerical noise (a deep fp32 model), raise --atol; otherwise it reads this "
+            "config differently: export ONNX only (`edgespec export` without --format onnx+xla) and report the "
+            "model's config.json")
     return {"platform": "cpu", "atol": atol, "max_abs_diff": stages[worst], "worst_stage": worst, "stages": stages}
 
 

@@ -232,19 +232,42 @@ def test_grow_layers_keeps_the_drafts_distributions():
         assert not torch.allclose(m(input_ids=x).logits, g(input_ids=x).logits)
 
 
+def test_grow_layers_extends_per_layer_settings():
+    from transformers import LlamaForCausalLM
+
+    from edgespec.distill import grow_layers
+
+    m = _tiny_llama(2)
+    cfg = m.config.__class__.from_dict({**m.config.to_dict(), "layer_types": ["full_attention"] * 2})
+    m2 = LlamaForCausalLM(cfg).eval()
+    m2.load_state_dict(m.state_dict())
+    g = grow_layers(m2, 3)
+    assert g.config.layer_types == ["full_attention"] * 3
+    x = torch.randint(0, 50, (1, 9))
+    with torch.no_grad():
+        assert torch.equal(m2(input_ids=x).logits, g(input_ids=x).logits)
+
+
 def test_init_shape_rules():
     from edgespec.distill import _init_shape
 
-    m = _tiny_llama(2)
-    own = _init_shape(m, None, None, None, None, None)
+    c = _tiny_llama(2).config
+    own = _init_shape(c, None, None, None, None, None)
     assert (own.layers, own.hidden, own.heads, own.intermediate) == (2, 16, 2, 32)
-    assert _init_shape(m, None, 5, 16, None, 32).layers == 5
+    assert _init_shape(c, None, 5, 16, None, 32).layers == 5
     with pytest.raises(InvalidArgumentError, match="hidden 192 .*checkpoint has 16.*drop --size"):
-        _init_shape(m, "large", None, None, None, None)
+        _init_shape(c, "large", None, None, None, None)
     with pytest.raises(InvalidArgumentError, match="heads 4"):
-        _init_shape(m, None, None, None, 4, None)
+        _init_shape(c, None, None, None, 4, None)
     with pytest.raises(InvalidArgumentError, match="fewer than .* 2 layers"):
-        _init_shape(m, None, 1, None, None, None)
+        _init_shape(c, None, 1, None, None, None)
+    with pytest.raises(InvalidArgumentError, match="layers"):
+        _init_shape(c, None, 3.0, None, None, None)
+    c1 = _tiny_llama(1).config  # a named size asks for its layers too (tiny: 1) unless --layers says otherwise
+    with pytest.raises(InvalidArgumentError, match="layers 1 .*checkpoint has 2"):
+        _init_shape(c, "tiny", None, 64, 2, 172)
+    assert _init_shape(c1.__class__.from_dict({**c1.to_dict(), "hidden_size": 64, "intermediate_size": 172}),
+                       "tiny", 3, None, None, None).layers == 3
 
 
 @pytest.mark.slow

@@ -210,9 +210,36 @@ def test_export_refuses_artifacts_that_differ_from_torch(name, root, checkpoints
 
     monkeypatch.setattr(xm, "load_model", misread)
     out = root / f"mutant-{name}"
-    with pytest.raises(ValidationError, match="differ from PyTorch.*--format onnx"):
+    with pytest.raises(ValidationError, match="differ from PyTorch.*raise --atol.*without --format onnx[+]xla"):
         export_xla(checkpoints[name], out, max_length=16, verify_width=4, prefill_buckets=(16,), max_source_length=8)
-    assert not (out / "xla").exists()
+    assert not out.exists()  # the folder it made is gone too
+    # --overwrite over a good export: the failed one leaves the good one as it was
+    monkeypatch.setattr(xm, "load_model", real)
+    export_xla(checkpoints[name], out, max_length=16, verify_width=4, prefill_buckets=(16,), max_source_length=8)
+    before = (out / "xla" / "xla.json").read_text()
+    monkeypatch.setattr(xm, "load_model", misread)
+    with pytest.raises(ValidationError):
+        export_xla(checkpoints[name], out, max_length=16, verify_width=4, prefill_buckets=(16,), max_source_length=8,
+                   overwrite=True)
+    assert (out / "xla" / "xla.json").read_text() == before
+    assert [p.name for p in out.iterdir()] == ["xla"]  # no partial or old folder left beside it
+
+
+def test_export_validation_edge_cases(root, checkpoints, monkeypatch):
+    import sys
+
+    # buffers too small for a prefill, a 1-token step and the verify width: the verify width is kept
+    m = export_xla(checkpoints["gpt2"], root / "tiny-buffers", max_length=3, verify_width=2, prefill_buckets=(2,))
+    assert set(m["validation"]["stages"]) == {"prefill", "step_2"}
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(InvalidArgumentError, match="atol"):
+            export_xla(checkpoints["gpt2"], root / "bad-atol", max_length=16, atol=bad)
+    assert not (root / "bad-atol").exists()
+    # the xla extra alone (no PyTorch): the artifacts are written, the check says why it did not run
+    monkeypatch.setitem(sys.modules, "torch", None)
+    m = export_xla(checkpoints["gpt2"], root / "no-torch", max_length=16, verify_width=2, prefill_buckets=(16,))
+    assert "edgespec[export]" in m["validation"]["skipped"]
+    assert (root / "no-torch" / "xla" / "xla.json").is_file()
 
 
 @pytest.mark.parametrize("name", ARCHS)
