@@ -244,7 +244,7 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     # the backend's length counts decoder positions only, so the prompt does not count here.)
     if target.length + config.max_new_tokens - 1 > target.max_length:
         room = target.max_length - target.length + 1
-        if target.length < prompt.size:  # an encoder-decoder: the prompt went to the encoder
+        if getattr(target, "is_encoder_decoder", target.length < prompt.size):  # the prompt went to the encoder
             raise PromptTooLongError(f"max_new_tokens ({config.max_new_tokens}) exceeds the decoder's {target.max_length} "
                                      f"positions; lower max_new_tokens to at most {max(room, 0)}")
         raise PromptTooLongError(

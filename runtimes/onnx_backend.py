@@ -427,6 +427,8 @@ class OnnxSeq2SeqBackend(_PositionCache):
     """An encoder-decoder model (T5). ``prefill(prompt)`` runs the encoder once and the first
     decoder step on the decoder start token; ``length`` then counts decoder tokens (1)."""
 
+    is_encoder_decoder = True
+
     def __init__(self, folder: str | Path, model: ModelManifest, session: SessionConfig = SessionConfig()):
         if model.kind != contract.KIND_SEQ2SEQ:
             raise BundleError(f"{folder}: model kind {model.kind!r} is not encoder-decoder; use OnnxDecoderBackend")

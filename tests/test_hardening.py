@@ -91,6 +91,13 @@ def test_seq2seq_prompt_limit(tiny_bundle, capsys):
     with pytest.raises(PromptTooLongError, match="decoder's .* positions .*the prompt does not count") as info:
         eng.generate([5] * 4, max_new_tokens=limit + 1)
     assert "shorten the prompt" not in str(info.value)
+    # a 1-token prompt (as long as the decoder's start) straight through the core loop: same wording
+    from edgespec.config import GenerationConfig
+    from edgespec.loop import generate
+
+    with pytest.raises(PromptTooLongError, match="decoder's .* positions") as info:
+        generate(eng.target, [5], GenerationConfig(max_new_tokens=limit + 1), np.random.default_rng(0))
+    assert "shorten the prompt" not in str(info.value)
 
 
 # ------------------------------------------------------------------------- sampling settings
