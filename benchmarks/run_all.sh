@@ -18,6 +18,8 @@ pair=$(edgespec train-pair --preset "$preset" --print-path)
 [ -f "$pair/distilled-large3/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large3" --size large --init "$pair/distilled-large2" --steps 400 --lr 2e-3 --generated 0.75 --pool-size 512 --no-progress
 [ -f "$pair/distilled-large4/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large4" --size large --init "$pair/distilled-large3" --steps 600 --lr 1.5e-3 --generated 0.9 --pool-size 1024 --seed 2 --no-progress
 [ -f "$pair/distilled-large5/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large5" --size large --init "$pair/distilled-large4" --steps 600 --lr 1e-3 --generated 0.9 --pool-size 1024 --seed 3 --no-progress
+# ... and large4 grown to 4 layers (the two new ones start as the identity), 600 on-policy steps
+[ -f "$pair/distilled-large4-deep4/config.json" ] || edgespec distill --target "$pair/target" --out "$pair/distilled-large4-deep4" --init "$pair/distilled-large4" --layers 4 --steps 600 --lr 1.5e-3 --generated 0.9 --pool-size 1024 --seed 4 --no-progress
 
 # Bundles (static-KV graphs, the exporter's default for Llama); re-exported if an older export
 # with optimum's concat graphs is in the way.
@@ -36,6 +38,7 @@ large=$(bundle_of distilled-large2-int8 "$pair/distilled-large2" --quantize-draf
 large3=$(bundle_of large3-int8 "$pair/distilled-large3" --quantize-draft int8)
 large4=$(bundle_of large4-int8 "$pair/distilled-large4" --quantize-draft int8)
 large5=$(bundle_of large5-int8 "$pair/distilled-large5" --quantize-draft int8)
+deep4=$(bundle_of deep4-int8 "$pair/distilled-large4-deep4" --quantize-draft int8)
 # the target in int8 too: a different (quantized) target, 3-4x faster plain decoding on this CPU
 large4_q=$(bundle_of large4-int8all "$pair/distilled-large4" --quantize int8)
 
@@ -52,6 +55,11 @@ edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-third"
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-large4-2threads"
 edgespec bench "$large5" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large5"
+#    large4 and the grown 4-layer draft, alternately (the host's drift hits both alike)
+for run in a b; do
+  edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-s9$run"
+  edgespec bench "$deep4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-deep4-s9$run"
+done
 edgespec bench "$large4_q" --gammas 3,4,5,6,8,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-target"
 edgespec bench "$large4_q" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-int8-target-2threads"
 # 2. the same grid with the pair's own draft and the small distilled draft
@@ -61,6 +69,9 @@ edgespec bench "$small" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --r
 [ -f "$pair/bundles/pair-draft-optimum/edgespec.json" ] ||
   edgespec export --target "$pair/target" --draft "$pair/draft" --out "$pair/bundles/pair-draft-optimum" --graph optimum --overwrite --quiet
 python benchmarks/graphs.py --static "$pair_bundle" --concat "$pair/bundles/pair-draft-optimum" --out "$out/graphs"
+# 2c. the MatMul kernel alone: int8 schemes' row independence, and what extra verified rows cost in fp32
+python benchmarks/int8_rows.py --out "$out/int8-rows"
+python benchmarks/verify_width.py --out "$out/verify-width"
 # 3. what a draft-length policy can gain at greedy (static sweep, adaptive, best threshold, oracle)
 python benchmarks/adaptive_bound.py "$large" --out "$out/adaptive-bound" --calibration 70
 # 4. the paper's tables 2-5 and figure 3

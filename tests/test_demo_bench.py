@@ -358,3 +358,26 @@ def test_int8_rows_script_shows_which_scheme_is_causal(tmp_path, monkeypatch):
     assert res["int8 blockwise (targets)"]["row0_when_last_row_changes"] == 0.0
     assert res["fp32"]["row0_when_last_row_changes"] == 0.0
     assert res["int8 dynamic (drafts)"]["row0_when_last_row_changes"] > 1e-3
+
+
+def test_verify_width_script(tmp_path, monkeypatch):
+    """benchmarks/verify_width.py on small weights: a row per width, V(1) = 1, rates consistent."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("verify_width", Path(__file__).parents[1] / "benchmarks" / "verify_width.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod.int8_rows, "K", 128)
+    monkeypatch.setattr(mod.int8_rows, "N", 256)
+    assert mod.main(["--calls", "2", "--widths", "1,4,2", "--peak-width", "16", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "verify_width.json").read_text())
+    assert [r["rows"] for r in res["rows"]] == [1, 2, 4]
+    assert res["rows"][0]["V"] == 1.0 and res["rows"][0]["extra_ms_per_row"] is None
+    flops = 2 * 128 * 256 * 12
+    for r in res["rows"]:
+        assert r["gflops"] == pytest.approx(flops * r["rows"] / r["ms"] / 1e6)
+        assert r["ideal_V"] >= 1.0
+    assert res["kernel_best_gflops"] > 0 and res["numpy_1row_gb_per_s"] > 0
+    with pytest.raises(SystemExit, match="must include 1"):
+        mod.main(["--widths", "2,4"])
