@@ -426,7 +426,8 @@ class Engine:
         return stream_obj.result
 
     def close(self) -> None:
-        """Forget the cached context (after calls in other threads finish). The engine stays usable;
+        """Forget the cached context and give the KV cache's memory back (after calls in other
+        threads finish). The engine stays usable (the next call allocates the cache again);
         ``with edgespec.load(...) as engine:`` calls this on leaving the block."""
         lease = self._guard.acquire()  # waits for other threads' calls; supersedes this thread's stream
         try:

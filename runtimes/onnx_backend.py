@@ -193,20 +193,33 @@ class _Binder:
                 "manifest (corrupt or hand-edited file): re-export the bundle with `edgespec export`") from exc
 
 
+def _alloc(shape, dtype, count: int, kv) -> np.ndarray:
+    """One KV buffer (np.empty: no page is committed until written); a typed error when the cache
+    (``count`` such buffers) cannot be had."""
+    try:
+        return np.empty(shape, dtype=dtype)
+    except (MemoryError, ValueError) as exc:
+        gib = count * kv.heads * kv.capacity * kv.head_size * np.dtype(dtype).itemsize / 2**30
+        raise InsufficientMemoryError(
+            f"cannot allocate the KV cache ({gib:.3g} GiB for {kv.capacity} positions x {kv.heads} heads x "
+            f"{kv.head_size}); use a machine with more memory or a bundle exported with fewer max positions") from exc
+
+
 class _KVPingPong:
     """Two flat buffers per KV tensor; see the module docstring for why and how."""
 
     def __init__(self, n_tensors: int, heads: int, head_size: int, capacity: int, dtype):
         self.heads, self.head_size, self.capacity, self.dtype = heads, head_size, capacity, dtype
-        size = heads * capacity * head_size
-        # np.empty: pages are committed only when first written, so a large max_length is cheap.
-        try:
-            self.buffers = [[np.empty(size, dtype=dtype) for _ in range(n_tensors)] for _side in range(2)]
-        except (MemoryError, ValueError) as exc:
-            gib = 2 * n_tensors * size * np.dtype(dtype).itemsize / 2**30
-            raise InsufficientMemoryError(
-                f"cannot allocate the KV cache ({gib:.3g} GiB for {capacity} positions x {heads} heads x {head_size}); "
-                "use a machine with more memory or a bundle exported with fewer max positions") from exc
+        self.n_tensors = n_tensors
+        self.release()
+
+    def release(self) -> None:
+        """(Re)allocate the buffers. np.empty commits pages only when first written, so a large
+        max_length is cheap, and dropping the old buffers gives their written pages back."""
+        size = self.heads * self.capacity * self.head_size
+        self.buffers = None
+        self.buffers = [[_alloc(size, self.dtype, 2 * self.n_tensors, self) for _ in range(self.n_tensors)]
+                        for _side in range(2)]
         self.ptrs = [[b.ctypes.data for b in side] for side in self.buffers]
         self.side = 0  # side holding the current cache
         self.physical = 0  # tokens stored in that side (layout [1, H, physical, D])
@@ -251,16 +264,16 @@ class _KVInPlace:
 
     def __init__(self, n_tensors: int, heads: int, head_size: int, capacity: int, dtype):
         self.shape = (1, heads, capacity, head_size)
-        try:  # np.empty: pages are committed only when first written
-            self.buffers = [np.empty(self.shape, dtype=dtype) for _ in range(n_tensors)]
-        except (MemoryError, ValueError) as exc:
-            gib = n_tensors * heads * capacity * head_size * np.dtype(dtype).itemsize / 2**30
-            raise InsufficientMemoryError(
-                f"cannot allocate the KV cache ({gib:.3g} GiB for {capacity} positions x {heads} heads x {head_size}); "
-                "use a machine with more memory or a bundle exported with fewer max positions") from exc
-        self.dtype = dtype
+        self.heads, self.head_size, self.capacity, self.dtype = heads, head_size, capacity, dtype
+        self.n_tensors = n_tensors
+        self.release()
+
+    def release(self) -> None:
+        """(Re)allocate the buffers; see _KVPingPong.release."""
+        self.buffers = None
+        self.buffers = [_alloc(self.shape, self.dtype, self.n_tensors, self) for _ in range(self.n_tensors)]
         self.ptrs = [b.ctypes.data for b in self.buffers]
-        self._bound: _Binder | None = None
+        self._bound: _Binder | None = None  # new pointers: bind again
 
     def prepare(self, n: int) -> None:
         pass  # positions >= n are ignored by the graph (the mask says P = n) and overwritten
@@ -306,7 +319,7 @@ class _PositionCache:
 
     def free(self) -> None:
         self._len = 0
-        self._kv.reset()
+        self._kv.release()  # the written pages go back to the system; the next prefill writes new ones
 
 
 class OnnxDecoderBackend(_PositionCache):
