@@ -488,6 +488,11 @@ def warn_if_no_spare_core(threads: int | None) -> None:
             "drafter='model'", EdgeSpecWarning, stacklevel=3)
 
 
+def _provider_names(providers) -> list[str]:
+    names = providers.replace(",", " ").split() if isinstance(providers, str) else list(providers)
+    return [str(n).strip().lower() for n in names]
+
+
 def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,
          threads: int = 0, draft_threads: int | None = 1, spinning: bool | None = None,
          draft_spinning: bool | None = None, load_draft: bool = True, runtime: str = "onnx",
@@ -513,8 +518,13 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise InvalidArgumentError(f"{name} (CLI --{name.replace('_', '-')}) must be an integer >= 0 "
                                        f"(0 = ONNX Runtime's default); got {v!r}")
+    if runtime == "xla" and (_provider_names(providers) != ["cpu"] or draft_providers is not None):
+        raise InvalidArgumentError("providers configure ONNX Runtime; with runtime='xla' choose the device with "
+                                   "platform= (CLI --platform) and drop providers (CLI --provider/--draft-provider)")
     root = Path(bundle)
     manifest = load_bundle(root, roles=None if load_draft else (contract.ROLE_TARGET,))  # plain decoding needs no draft files
+    if runtime == "xla":  # the ONNX Runtime session settings below do not apply
+        providers, draft_providers = ("cpu",), None
     target_cfg = SessionConfig(providers=resolve_providers(providers), intra_op_threads=threads, spinning=spinning)
     draft_cfg = SessionConfig(
         providers=resolve_providers(providers if draft_providers is None else draft_providers),

@@ -411,7 +411,13 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
         draft_size = resolve_size(size, layers, hidden, heads, intermediate)
     else:  # the checkpoint's shape, checked before the (larger) target is loaded
         check_hf_folder(Path(init), "init draft")
+        init_type = json.loads((Path(init) / "config.json").read_text(encoding="utf-8")).get("model_type")
+        if init_type != "llama":  # read as a Llama, another type's config gives Llama defaults (a 7 B model)
+            raise InvalidArgumentError(f"--init {init} holds a {init_type!r} model; distill trains Llama drafts, so "
+                                       "--init takes a Llama draft (one made by `edgespec distill`): drop --init to "
+                                       "train a new draft")
         init_model = LlamaForCausalLM.from_pretrained(Path(init), use_safetensors=True, dtype=torch.float32)
+        init_layers = init_model.config.num_hidden_layers
         draft_size = _init_shape(init_model.config, size, layers, hidden, heads, intermediate)
     tmodel, tok = load_target(target_dir)
     vocab = int(tmodel.config.vocab_size)
@@ -426,9 +432,9 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     if init is None:
         init_model = None
     else:
-        if _vocab(init_model) != vocab:
-            raise InvalidArgumentError(f"the --init draft has {_vocab(init_model)} logits but the target {vocab}; "
-                                       "they must share a tokenizer")
+        if _vocab(init_model) != vocab:  # the losses compare the two distributions row by row
+            raise InvalidArgumentError(f"the --init draft has {_vocab(init_model)} output rows but the target {vocab}; "
+                                       "distillation needs the target's rows: drop --init to train a new draft")
         if draft_size.layers > init_model.config.num_hidden_layers:
             torch.manual_seed(seed * 100 + 3)
             init_model = grow_layers(init_model, draft_size.layers)
@@ -464,9 +470,10 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     def alphas_on_target(m):
         return {f"T{t:g}": round(measure_alpha(tmodel, m, on_target[t], t, start=plen - 1), 4) for t in (0.0, 1.0)}
 
-    report: dict = {"target": str(target_dir), "mode": mode, "steps": steps, "batch_size": batch_size, "context": ctx,
+    report: dict = {"target": str(target_dir.resolve()), "mode": mode, "steps": steps, "batch_size": batch_size, "context": ctx,
                     "lr": lr, "generated_fraction": generated, "pool_size": pool_size if generated else 0, "seed": seed,
                     "tokens_per_run": steps * batch_size * ctx, "corpus": c.description,
+                    **({} if init is None else {"init": str(Path(init).resolve()), "init_layers": init_layers}),
                     "draft_config": {"hidden": draft_size.hidden, "layers": draft_size.layers, "heads": draft_size.heads,
                                      "intermediate": draft_size.intermediate,
                                      **({} if draft_size.kv_heads is None else {"kv_heads": draft_size.kv_heads})}}
@@ -475,7 +482,10 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                   special_ids=special, progress=progress)
     if init_model is None:
         torch.manual_seed(seed * 100 + 3)
-        before = new_llama(draft_size.llama_config(vocab, ctx, **special))
+        # The target's positions, not the training window: a draft with fewer positions than its
+        # target would end speculation (plain decoding) past them. Rotary positions extrapolate;
+        # a draft past its training length can only be kept less often, never change the output.
+        before = new_llama(draft_size.llama_config(vocab, max_pos, **special))
     else:
         before = init_model
     report["alpha_before"] = alphas(before)

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads for the target (0 = ORT default: one per physical core; default 0, or "
                              "with --draft lookahead all cores but one, which the drafting thread needs)")
-    parser.add_argument("--draft-threads", type=int, default=1, help="intra-op threads for the draft (default 1)")
+    parser.add_argument("--draft-threads", type=int, default=None, help="intra-op threads for the draft (default 1)")
     parser.add_argument("--no-spin", action="store_true", help="disable ONNX Runtime thread spin-waiting")
     parser.add_argument("--runtime", choices=("onnx", "xla"), default="onnx",
                         help="onnx (default) or xla (jax.export artifacts: export with --format onnx+xla)")
@@ -92,6 +92,14 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--no-draft decodes with the target alone: --gamma has no effect; drop one of them")
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
+    if args.runtime == "xla":
+        ort_only = [flag for flag, on in (("--provider", args.provider != "cpu"), ("--draft-provider", args.draft_provider),
+                                          ("--threads", args.threads is not None),
+                                          ("--draft-threads", args.draft_threads is not None), ("--no-spin", args.no_spin))
+                    if on]
+        if ort_only:
+            raise InvalidArgumentError(f"{', '.join(ort_only)} configure ONNX Runtime and do nothing with --runtime xla; "
+                                       "drop them (--platform picks the XLA device)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     spin = False if args.no_spin else None
     threads = default_target_threads(args.draft == "lookahead") if args.threads is None else args.threads
     engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=threads,
-                  draft_threads=args.draft_threads, spinning=spin,
+                  draft_threads=1 if args.draft_threads is None else args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",
                   runtime=args.runtime, platform=args.platform)
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -23,7 +23,10 @@ def usual_permissions(path: str | os.PathLike, recursive: bool = False) -> None:
 
 def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out") -> None:
     """``--overwrite`` replaces only an earlier output of the same command (a folder holding
-    ``marker``) or an empty folder, never a folder of the user's files."""
+    ``marker``) or an empty folder, never a folder of the user's files nor a file."""
+    if dest.exists() and not dest.is_dir():
+        raise OutputExistsError(f"{flag} {str(dest)!r} exists and is not a folder; --overwrite replaces only {what}: "
+                                f"choose another {flag}")
     if dest.is_dir() and any(dest.iterdir()) and not (dest / marker).exists():
         raise OutputExistsError(
             f"{flag} {str(dest)!r} exists, is not empty and is not {what} (no {marker}); --overwrite replaces only "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import shutil
 import socket
@@ -62,8 +63,8 @@ class ExportOptions:
         check_dtype(self.dtype)
         for name in ("atol", "quantized_atol"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not v > 0:
-                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a positive number; got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+                raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a finite number > 0; got {v!r}")
         if self.opset is not None and (not isinstance(self.opset, int) or self.opset < 14):
             raise InvalidArgumentError(f"--opset must be an integer >= 14; got {self.opset!r}")
 
@@ -272,6 +273,16 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
                           "step, so speculation is slower than plain decoding; pass a smaller draft",
                           EdgeSpecWarning, stacklevel=2)
     layouts = {role: _kv_layout(ckpt, options) for role, ckpt in roles.items()}  # --graph refusals, before any loading
+    if xla is not None:
+        if options.quantize_target != "none":
+            raise InvalidArgumentError(
+                "--format onnx+xla with an int8 target would hold two different targets (the XLA artifacts are "
+                "fp32, so the two runtimes would sample from different models); export the XLA bundle without "
+                "--quantize (a draft may still be int8: --quantize-draft int8)")
+        from .xla import check_xla_options
+
+        for ckpt in roles.values():  # XLA options, checked against each config before the ONNX work
+            check_xla_options(ckpt.path, **{"atol": options.atol, **xla})
     dest = check_output(Path(out), [c.path for c in roles.values()], options.overwrite)
 
     tok_record: dict = {}
@@ -307,6 +318,9 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
                 progress(f"{role}: lowering jax.export artifacts for {', '.join(xla.get('platforms', ('cpu',)))}")
                 m = export_xla(ckpt.path, tmp / role,
                                **{"atol": options.atol, "vocab_limit": tokenizer_size(load_vocab(ckpt.path)), **xla})
+                v = m["validation"]
+                progress(f"{role}: XLA artifacts " + (f"not validated: {v['skipped']}" if "skipped" in v else
+                                                      f"vs PyTorch: max |logits diff| {v['max_abs_diff']:.2e}"))
                 formats["xla"][role] = {k: m[k] for k in ("platforms", "max_length", "verify_width", "jax_version",
                                                           "validation") if k in m}
         manifest = BundleManifest(

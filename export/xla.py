@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgespec.errors import InvalidArgumentError, OutputExistsError
-from edgespec.outputs import usual_permissions
+from edgespec.outputs import check_replaceable, check_writable, usual_permissions
 
 FORMAT = "edgespec-xla"
 FORMAT_VERSION = 1
@@ -52,6 +52,46 @@ def _check_int(name: str, v: Any, lo: int) -> int:
 
 def _default_buckets(max_len: int) -> list[int]:
     return sorted({b for b in (16, 64, 256, 1024) if b < max_len} | {max_len})
+
+
+def check_xla_options(checkpoint_dir: str | Path, platforms: Sequence[str] = ("cpu",), max_length: int | None = None,
+                      verify_width: int = 9, *, widths: Sequence[int] | None = None,
+                      prefill_buckets: Sequence[int] | None = None, max_source_length: int | None = None,
+                      atol: float = 1e-3, **_other: Any) -> dict[str, Any]:
+    """:func:`export_xla`'s options checked against the checkpoint's config.json and resolved
+    (defaults filled in), without loading weights: ``edgespec export`` runs it before any work."""
+    from edgespec.runtimes import xla_models as xm
+
+    if isinstance(platforms, str):
+        platforms = [platforms]
+    platforms = [str(p).lower() for p in platforms]
+    bad = [p for p in platforms if p not in PLATFORMS]
+    if not platforms or bad:
+        raise InvalidArgumentError(f"unknown XLA platform(s) {bad or platforms}; choose from {', '.join(PLATFORMS)}")
+    platforms = list(dict.fromkeys(platforms))
+    verify_width = _check_int("verify_width", verify_width, 1)
+    spec = xm.spec_from_config(xm.read_config(Path(checkpoint_dir)))
+    if max_length is None:
+        max_length = min(spec.max_positions, 2048) if spec.max_positions else 512
+    max_length = _check_int("max_length", max_length, 2)
+    xm.check_max_length(spec, max_length)
+    if verify_width > max_length:
+        raise InvalidArgumentError(f"verify_width={verify_width} exceeds max_length={max_length}")
+    widths = sorted({_check_int("width", w, 1) for w in (widths or range(1, verify_width + 1))})
+    if 1 not in widths or widths[-1] > verify_width:
+        raise InvalidArgumentError(f"widths {widths} must contain 1 and none may exceed verify_width={verify_width}")
+    if verify_width not in widths:
+        widths.append(verify_width)
+    buckets: list[int] = []
+    if not spec.encoder_decoder:
+        buckets = sorted({_check_int("prefill bucket", b, 1) for b in (prefill_buckets or _default_buckets(max_length))})
+        if buckets[-1] > max_length:
+            raise InvalidArgumentError(f"prefill bucket {buckets[-1]} exceeds max_length={max_length}")
+    E = _check_int("max_source_length", 512 if max_source_length is None else max_source_length, 1)
+    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol) or atol <= 0:
+        raise InvalidArgumentError(f"atol must be a finite number > 0; got {atol!r}")
+    return {"platforms": platforms, "max_length": max_length, "verify_width": verify_width, "widths": widths,
+            "prefill_buckets": buckets, "max_source_length": E, "atol": atol}
 
 
 def export_xla(
@@ -92,35 +132,19 @@ def export_xla(
     from edgespec.runtimes import xla_models as xm
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
-    if isinstance(platforms, str):
-        platforms = [platforms]
-    platforms = [str(p).lower() for p in platforms]
-    bad = [p for p in platforms if p not in PLATFORMS]
-    if not platforms or bad:
-        raise InvalidArgumentError(f"unknown XLA platform(s) {bad or platforms}; choose from {', '.join(PLATFORMS)}")
-    platforms = list(dict.fromkeys(platforms))
-    verify_width = _check_int("verify_width", verify_width, 1)
-
+    o = check_xla_options(checkpoint_dir, platforms, max_length, verify_width, widths=widths,
+                          prefill_buckets=prefill_buckets, max_source_length=max_source_length, atol=atol)
+    dest = out_dir / XLA_SUBDIR
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputExistsError(f"{out_dir} exists and is not a folder; choose another output folder")
+    if dest.exists() and any(dest.iterdir()):
+        if not overwrite:
+            raise OutputExistsError(f"{dest} exists; remove it or pass --overwrite (overwrite=True)")
+        check_replaceable(dest, MANIFEST, "XLA artifacts", flag="the output's xla/ folder")
+    check_writable(out_dir)
     t0 = time.perf_counter()
     spec, params = xm.load_model(checkpoint_dir)
-    if max_length is None:
-        max_length = min(spec.max_positions, 2048) if spec.max_positions else 512
-    max_length = _check_int("max_length", max_length, 2)
-    xm.check_max_length(spec, max_length)
-    if verify_width > max_length:
-        raise InvalidArgumentError(f"verify_width={verify_width} exceeds max_length={max_length}")
-    widths = sorted({_check_int("width", w, 1) for w in (widths or range(1, verify_width + 1))})
-    if 1 not in widths or widths[-1] > verify_width:
-        raise InvalidArgumentError(f"widths {widths} must contain 1 and none may exceed verify_width={verify_width}")
-    if verify_width not in widths:
-        widths.append(verify_width)
-
-    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol) or atol <= 0:
-        raise InvalidArgumentError(f"atol must be a finite number > 0; got {atol!r}")
-
-    dest = out_dir / XLA_SUBDIR
-    if dest.exists() and any(dest.iterdir()) and not overwrite:
-        raise OutputExistsError(f"{dest} exists; remove it or pass overwrite=True (--overwrite)")
+    platforms, max_length, verify_width, widths = o["platforms"], o["max_length"], o["verify_width"], o["widths"]
     made_out = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
     # Written beside, renamed into place once validated: a failed check, Ctrl-C or a full disk
@@ -128,7 +152,7 @@ def export_xla(
     tmp = Path(tempfile.mkdtemp(prefix=f".{XLA_SUBDIR}.partial-", dir=out_dir))
     try:
         manifest = _write_xla(tmp, checkpoint_dir, spec, params, platforms, max_length, verify_width, widths,
-                              prefill_buckets, max_source_length)
+                              o["prefill_buckets"], o["max_source_length"])
         del params  # the check below loads the weights twice more, one copy at a time
         manifest["validation"] = validate_xla(checkpoint_dir, tmp, spec.encoder_decoder, platforms, atol, vocab_limit)
         manifest["export_seconds"] = round(time.perf_counter() - t0, 2)
@@ -179,7 +203,7 @@ def _write_xla(dest: Path, checkpoint_dir: Path, spec, params, platforms: list[s
 
     extra: dict[str, Any] = {}
     if spec.encoder_decoder:
-        E = _check_int("max_source_length", 512 if max_source_length is None else max_source_length, 1)
+        E = max_source_length
         cross_sh = (spec.n_layers, 1, spec.kv_heads, E, spec.head_dim)
         cross_aval = (jax.ShapeDtypeStruct(cross_sh, f32),) * 2
         emit("encode", E, partial(xm.t5_encode, spec, max_length),
@@ -190,9 +214,7 @@ def _write_xla(dest: Path, checkpoint_dir: Path, spec, params, platforms: list[s
         extra = {"max_source_length": E, "cross_kv_shape": list(cross_sh)}
         buckets: list[int] = []
     else:
-        buckets = sorted({_check_int("prefill bucket", b, 1) for b in (prefill_buckets or _default_buckets(max_length))})
-        if buckets[-1] > max_length:
-            raise InvalidArgumentError(f"prefill bucket {buckets[-1]} exceeds max_length={max_length}")
+        buckets = prefill_buckets
         for b in buckets:
             emit("prefill", b, partial(xm.decoder_prefill, spec, max_length),
                  (p_avals, jax.ShapeDtypeStruct((b,), i32), scalar))
@@ -302,7 +324,7 @@ def validate_xla(checkpoint_dir: Path, folder: Path, seq2seq: bool, platforms: S
     if not np.isfinite(stages[worst]) or stages[worst] > atol:
         raise ValidationError(
             f"{checkpoint_dir}: the XLA artifacts' logits ({worst}) differ from PyTorch by {stages[worst]:.3g} "
-            f"(tolerance {atol:g}); no XLA artifacts were written. The XLA path re-implements the architecture in "
+            f"(tolerance {atol:g}); nothing was written. The XLA path re-implements the architecture in "
             "JAX: if the difference is numerical noise (a deep fp32 model), raise --atol; otherwise it reads this "
             "config differently: export ONNX only (`edgespec export` without --format onnx+xla) and report the "
             "model's config.json")
@@ -310,7 +332,7 @@ def validate_xla(checkpoint_dir: Path, folder: Path, seq2seq: bool, platforms: S
 
 
 # --------------------------------------------------------------------------------------------
-# CLI hooks (``edgespec export --format xla``)
+# CLI hooks (``edgespec export --format onnx+xla``)
 # --------------------------------------------------------------------------------------------
 
 def _parse_ints(text: str) -> list[int]:
@@ -320,10 +342,10 @@ def _parse_ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
 
 
-def add_xla_arguments(parser: argparse.ArgumentParser) -> None:
+def add_xla_arguments(parser: argparse.ArgumentParser, title: str = "XLA export (--format onnx+xla)") -> None:
     """Options of the XLA export. Options the caller already defined (e.g. --max-length) are kept."""
     have = set(getattr(parser, "_option_string_actions", {}))
-    g = parser.add_argument_group("XLA export (--format onnx+xla)")
+    g = parser.add_argument_group(title)
 
     def add(flag: str, **kw: Any) -> None:
         if flag not in have:
@@ -381,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m edgespec.export.xla", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="Hugging Face checkpoint folder")
     parser.add_argument("out", help="output folder (artifacts go to OUT/xla)")
-    add_xla_arguments(parser)
+    add_xla_arguments(parser, "XLA export")
     args = parser.parse_args(argv)
     try:
         m = run_xla_export(args)["model"]

@@ -272,15 +272,35 @@ def test_init_shape_rules():
 
 @pytest.mark.slow
 def test_distill_from_init_keeps_its_shape_and_grows(target, corpus, tmp_path):
-    kw = dict(corpus=corpus, steps=2, batch_size=2, eval_windows=4, progress=False)
+    from transformers import AutoConfig
+
+    kw = dict(corpus=corpus, steps=2, batch_size=2, eval_windows=4, context=16, progress=False)
     first = distill(target, tmp_path / "a", hidden=16, layers=1, heads=1, intermediate=32, **kw)
+    # a new draft has the target's positions, not the training window's (it would stop speculation there)
+    assert AutoConfig.from_pretrained(tmp_path / "a").max_position_embeddings == \
+        AutoConfig.from_pretrained(target).max_position_embeddings == 32
+    assert "init" not in first
     # the report names the checkpoint's shape (it named the default size's before)
     same = distill(target, tmp_path / "b", init=tmp_path / "a", **kw)
     assert same["draft_config"] == first["draft_config"] == {"hidden": 16, "layers": 1, "heads": 1, "intermediate": 32}
     grown = distill(target, tmp_path / "c", init=tmp_path / "a", layers=3, **kw)
     assert grown["draft_config"]["layers"] == 3 and grown["draft_params"] > first["draft_params"]
+    assert grown["init"] == str((tmp_path / "a").resolve()) and grown["init_layers"] == 1
     # the grown draft starts exactly where the checkpoint ended
     assert grown["alpha_before"] == first["alpha_after"]
     assert grown["alpha_on_target_before"] == first["alpha_on_target_after"]
     with pytest.raises(InvalidArgumentError, match="only --layers may grow"):
         distill(target, tmp_path / "d", init=tmp_path / "a", size="large", **kw)
+    # --init must be a Llama draft: another type's config read as Llama gives a 7 B-parameter model
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(tmp_path / "a", gpt2)
+    cfg = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(InvalidArgumentError, match="holds a 'gpt2' model.*Llama draft"):
+        distill(target, tmp_path / "e", init=gpt2, **kw)
+    # --overwrite never replaces a plain file given as --out
+    afile = tmp_path / "afile"
+    afile.write_text("hi")
+    with pytest.raises(OutputExistsError, match="not a folder"):
+        distill(target, afile, overwrite=True, **kw)
+    assert afile.read_text() == "hi"

@@ -72,6 +72,14 @@ def test_generate_cli_xla_and_missing_artifacts(xla_bundle, tiny_bundle, capsys)
     assert main(["generate", str(xla_bundle("gpt2")), "--prompt", "the cat", "--runtime", "xla", "--platform", "foo"]) == 2
     err = capsys.readouterr().err
     assert "unknown XLA platform 'foo': use one of cpu, cuda, rocm, tpu" in err and "re-export" not in err
+    for flags in (["--provider", "cuda"], ["--threads", "1"], ["--draft-threads", "2"], ["--no-spin"]):
+        assert main(["generate", str(xla_bundle("gpt2")), "--prompt", "the cat", "--runtime", "xla", *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{flags[0]} configure ONNX Runtime and do nothing with --runtime xla" in err, err
+    from edgespec.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="platform="):
+        load(xla_bundle("gpt2"), runtime="xla", providers="cuda")
 
 
 def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys):
@@ -88,3 +96,47 @@ def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys):
     assert main(argv + ["--gammas", "2,6"]) == 2
     err = capsys.readouterr().err
     assert "verify_width=6, so gamma <= 5" in err and "Traceback" not in err
+
+
+def test_xla_options_are_checked_before_the_onnx_work(tiny_checkpoints, tmp_path, capsys, monkeypatch):
+    """Bad XLA options fail in a fraction of a second, before any ONNX export; an int8 target is
+    refused with the XLA format (two runtimes, two targets); the CLI reports the XLA check."""
+    import edgespec.export.pipeline as pipeline
+
+    t, d = tiny_checkpoints("llama")
+
+    def no_onnx(*a, **k):
+        raise AssertionError("the ONNX export started before the XLA options were checked")
+
+    monkeypatch.setattr(pipeline, "_export_one", no_onnx)
+    base = ["export", "--target", str(t), "--draft", str(d), "--out", str(tmp_path / "b"), "--format", "onnx+xla"]
+    for extra, words in ((["--verify-width", "0"], "verify_width"), (["--max-length", "100000"], "positions"),
+                         (["--platforms", "cpu,foo"], "foo"), (["--prefill-buckets", "0"], "prefill bucket"),
+                         (["--atol", "inf"], "atol"), (["--quantize", "int8"], "two different targets")):
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err, (extra, err)
+    assert not (tmp_path / "b").exists()
+    monkeypatch.undo()
+    assert main(base + ["--max-length", "32", "--verify-width", "3"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("XLA artifacts vs PyTorch: max |logits diff|") == 2  # target and draft
+
+
+def test_standalone_xla_export_output_paths(tiny_checkpoints, tmp_path, capsys):
+    from edgespec.export.xla import main as xla_main
+
+    t, _ = tiny_checkpoints("gpt2")
+    afile = tmp_path / "afile"
+    afile.write_text("hi")
+    assert xla_main([str(t), str(afile), "--max-length", "16"]) == 2
+    assert "not a folder" in capsys.readouterr().err and afile.read_text() == "hi"
+    user = tmp_path / "user"
+    (user / "xla").mkdir(parents=True)
+    (user / "xla" / "notes.txt").write_text("precious")
+    assert xla_main([str(t), str(user), "--max-length", "16", "--overwrite"]) == 2
+    assert "not XLA artifacts" in capsys.readouterr().err
+    assert (user / "xla" / "notes.txt").read_text() == "precious"
+    assert xla_main([str(t), "/proc/edgespec-no", "--max-length", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "Traceback" not in err
