@@ -159,9 +159,9 @@ class _EngineGuard:
                 self._cond.notify_all()
 
 
-_SUPERSEDED = ("this stream was superseded: a later generate call on the same engine (in this thread) took over the "
-               "model's caches before the stream was finished; finish or close() a stream before starting another "
-               "generate call, or start this generation again")
+_SUPERSEDED = ("this stream was superseded: a later generate call or engine.close() on the same engine (in this "
+               "thread) took over the model's caches before the stream was finished; finish or close() a stream "
+               "before starting another generate call, or start this generation again")
 
 
 class TextStream:
@@ -226,6 +226,9 @@ class TextStream:
 
     @property
     def result(self) -> GenerationOutput:
+        if self._result is None and self._closed:
+            raise InvalidArgumentError("the stream was closed before it finished, so it has no result; "
+                                       "start the generation again and iterate over it to the end")
         if self._result is None:
             raise InvalidArgumentError("the stream is not finished: iterate over it to the end before reading .result")
         return self._result
@@ -442,6 +445,9 @@ class Engine:
         self.close()
 
     def _close_backends(self) -> None:
+        if self._lookahead is not None:
+            self._lookahead.close()  # its worker thread ends; the next lookahead call makes a new one
+            self._lookahead = None
         self.target.free()
         if self.draft is not None:
             self.draft.free()

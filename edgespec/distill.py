@@ -379,10 +379,9 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     batch taken from a pool of ``pool_size`` continuations the target writes of corpus prefixes, half
     greedy, half sampled at T=1. ``baseline=True`` also trains a draft of the same size on the corpus
     alone, with the same steps and windows, and reports its alpha. Alpha is reported on held-out
-    corpus windows and on the target's own continuations of held-out prefixes (what decoding sees)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
+    corpus windows and on the target's own continuations of held-out prefixes (what decoding sees).
+    ``init`` continues a draft checkpoint in its own shape; ``layers`` above its count grows it first
+    (:func:`grow_layers`)."""
     from .corpus import encode_docs, load_documents
     from .pair import _batch, _check_int, _write_json_atomic, heldout_windows, new_llama, validation_loss
 
@@ -407,10 +406,15 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             raise OutputExistsError(f"output folder {out_dir} lies inside the target folder {target_dir}; write elsewhere")
     except OSError:
         pass
+    check_hf_folder(target_dir, "target")  # before the seconds torch and transformers take to import
+    if init is not None:
+        check_hf_folder(Path(init), "init draft")
+    import torch
+    from transformers import LlamaForCausalLM
+
     if init is None:
         draft_size = resolve_size(size, layers, hidden, heads, intermediate)
     else:  # the checkpoint's shape, checked before the (larger) target is loaded
-        check_hf_folder(Path(init), "init draft")
         init_type = json.loads((Path(init) / "config.json").read_text(encoding="utf-8")).get("model_type")
         if init_type != "llama":  # read as a Llama, another type's config gives Llama defaults (a 7 B model)
             raise InvalidArgumentError(f"--init {init} holds a {init_type!r} model; distill trains Llama drafts, so "

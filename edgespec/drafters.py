@@ -166,6 +166,18 @@ class LookaheadDrafter(ModelDrafter):
         self._ahead = None
         super().rollback(kept)
 
+    def close(self) -> None:
+        """Stop the worker thread (a later round starts a new one)."""
+        self._cancel = True
+        try:
+            self._join()
+        finally:
+            if self._thread is not None:
+                self._jobs.put(None)
+                self._thread.join()
+                self._thread = None
+            self._ahead = None
+
     # ---------------------------------------------------------------- the worker
     def _launch(self, job: tuple, at: int) -> None:
         if self._thread is None:

@@ -282,7 +282,11 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         from .xla import check_xla_options
 
         for ckpt in roles.values():  # XLA options, checked against each config before the ONNX work
-            check_xla_options(ckpt.path, **{"atol": options.atol, **xla})
+            resolved = check_xla_options(ckpt.path, **{"atol": options.atol, **xla})
+        if draft is not None and resolved["verify_width"] == 1:
+            warnings.warn("--verify-width 1 leaves no room for a draft token: the XLA runtime can only decode plainly "
+                          "with this bundle; pass --verify-width 2 or more (max gamma + 1; default 9)",
+                          EdgeSpecWarning, stacklevel=2)
     dest = check_output(Path(out), [c.path for c in roles.values()], options.overwrite)
 
     tok_record: dict = {}

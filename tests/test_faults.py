@@ -18,7 +18,7 @@ from edgespec import contract
 from edgespec.api import load
 from edgespec.bundle import PARTIAL_MARKER, load_bundle
 from edgespec.cli import main
-from edgespec.errors import BundleError, DiskFullError, EngineBusyError
+from edgespec.errors import BundleError, DiskFullError, EngineBusyError, InvalidArgumentError
 
 pytestmark = pytest.mark.slow
 
@@ -211,6 +211,18 @@ def test_second_stream_in_the_same_thread_supersedes_the_first(engine, tiny_bund
     second = engine.generate(PROMPT, seed=2, stream=True, **KW)
     with pytest.raises(Exception, match="iterated only once"):
         list(second), list(second)
+    # engine.close() in the same thread supersedes an open stream too, and a stream closed early
+    # says it has no result (not "iterate to the end", which it can no longer do)
+    third = iter(engine.generate(PROMPT, seed=1, stream=True, **KW))
+    next(third)
+    engine.close()
+    with pytest.raises(EngineBusyError, match="generate call or engine.close()"):
+        next(third)
+    fourth = engine.generate(PROMPT, seed=1, stream=True, **KW)
+    for _ in fourth:
+        break
+    with pytest.raises(InvalidArgumentError, match="closed before it finished"):
+        fourth.result
 
 
 def test_busy_timeout_refuses_clearly(engine, tiny_bundle):

@@ -99,3 +99,19 @@ def test_lookahead_warns_when_the_target_leaves_no_core(tiny_bundle, capsys):
     assert "edgespec generate: warning: drafter='lookahead'" in err and "Traceback" not in err
     assert main(argv) == 0          # without --threads the CLI leaves a core for the drafting thread
     assert ("warning" in capsys.readouterr().err) == (cores == 1)
+
+
+def test_engine_close_stops_the_lookahead_worker(tiny_bundle):
+    def workers():
+        return [t for t in threading.enumerate() if t.name == "edgespec-lookahead" and t.is_alive()]
+
+    eng = load(tiny_bundle("llama"), threads=1)
+    before = len(workers())
+    kw = dict(max_new_tokens=16, temperature=0.0, gamma=3, drafter="lookahead")
+    first = eng.generate([5, 9, 4, 17], **kw).ids
+    assert len(workers()) == before + 1
+    eng.close()
+    assert len(workers()) == before
+    assert eng.generate([5, 9, 4, 17], **kw).ids == first  # a new worker, same output
+    eng.close()
+    assert len(workers()) == before

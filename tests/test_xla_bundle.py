@@ -117,6 +117,9 @@ def test_xla_options_are_checked_before_the_onnx_work(tiny_checkpoints, tmp_path
         err = capsys.readouterr().err
         assert words in err and "Traceback" not in err, (extra, err)
     assert not (tmp_path / "b").exists()
+    with pytest.warns(Warning, match="no room for a draft token"):
+        with pytest.raises(AssertionError, match="ONNX export started"):  # the warning comes before any work
+            pipeline.export_bundle(t, tmp_path / "b", draft=d, progress=None, xla=dict(verify_width=1, max_length=16))
     monkeypatch.undo()
     assert main(base + ["--max-length", "32", "--verify-width", "3"]) == 0
     err = capsys.readouterr().err
