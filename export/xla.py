@@ -140,7 +140,7 @@ def export_xla(
     if dest.exists() and any(dest.iterdir()):
         if not overwrite:
             raise OutputExistsError(f"{dest} exists; remove it or pass --overwrite (overwrite=True)")
-        check_replaceable(dest, MANIFEST, "XLA artifacts", flag="the output's xla/ folder")
+        check_replaceable(dest, MANIFEST, "XLA artifacts", flag="output")
     check_writable(out_dir)
     t0 = time.perf_counter()
     spec, params = xm.load_model(checkpoint_dir)
