@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="target intra-op threads (0 = ORT default; default 0, or with the lookahead drafter in "
                         "--draft all cores but one, for every setting alike)")
-    p.add_argument("--draft-threads", type=int, default=1, help="draft intra-op threads (default 1)")
+    p.add_argument("--draft-threads", type=int, default=None, help="draft intra-op threads (default 1)")
     p.add_argument("--spin", choices=("on", "off", "default"), default="default",
                    help="ORT thread spin-waiting (default: ORT's, on; it only matters with more than one thread)")
     p.add_argument("--out", type=Path, default=None, help="folder for bench.json and PNG plots")
@@ -122,6 +122,7 @@ def read_prompts(path: Path | None) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from .api import default_target_threads, gamma_bound, warn_if_no_spare_core
+    from .generate_cli import refuse_ort_flags
     from .outputs import check_writable
 
     if args.repeats < 1 or args.max_new_tokens < 1:
@@ -134,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(f"--draft takes model, ngram and/or lookahead; got {s.draft!r}")
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
+    refuse_ort_flags(args.runtime, {"--provider": args.provider != "cpu", "--threads": args.threads is not None,
+                                    "--draft-threads": args.draft_threads is not None, "--spin": args.spin != "default"})
+    draft_threads = 1 if args.draft_threads is None else args.draft_threads
     if args.out is not None:   # before the measurement, not after it
         if args.out.exists() and not args.out.is_dir():
             raise InvalidArgumentError(f"--out {str(args.out)!r} is a file; give a folder for bench.json")
@@ -141,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     lookahead = any(s.draft == "lookahead" for s in grid)
     threads = default_target_threads(lookahead) if args.threads is None else args.threads
     spin = {"on": True, "off": False, "default": None}[args.spin]
-    ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), threads, args.draft_threads, spin,
+    ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), threads, draft_threads, spin,
                      platform=args.platform)
     if lookahead:
         warn_if_no_spare_core(threads)
@@ -169,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     note = hardware_counters_note()
     print(note)
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
-               "providers": args.provider, "threads": threads, "draft_threads": args.draft_threads,
+               "providers": args.provider, "threads": threads, "draft_threads": draft_threads,
                "platform": args.platform, "verify_width": ob.verify_width,
                "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
                "spin": args.spin, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,

@@ -92,14 +92,17 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--no-draft decodes with the target alone: --gamma has no effect; drop one of them")
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
-    if args.runtime == "xla":
-        ort_only = [flag for flag, on in (("--provider", args.provider != "cpu"), ("--draft-provider", args.draft_provider),
-                                          ("--threads", args.threads is not None),
-                                          ("--draft-threads", args.draft_threads is not None), ("--no-spin", args.no_spin))
-                    if on]
-        if ort_only:
-            raise InvalidArgumentError(f"{', '.join(ort_only)} configure ONNX Runtime and do nothing with --runtime xla; "
-                                       "drop them (--platform picks the XLA device)")
+    refuse_ort_flags(args.runtime, {"--provider": args.provider != "cpu", "--draft-provider": args.draft_provider,
+                                    "--threads": args.threads is not None,
+                                    "--draft-threads": args.draft_threads is not None, "--no-spin": args.no_spin})
+
+
+def refuse_ort_flags(runtime: str, given: dict) -> None:
+    """ONNX Runtime's session flags do nothing with the XLA runtime: an error, not ignored."""
+    ort_only = [flag for flag, on in given.items() if on]
+    if runtime == "xla" and ort_only:
+        raise InvalidArgumentError(f"{', '.join(ort_only)} configure ONNX Runtime and do nothing with --runtime xla; "
+                                   "drop them (--platform picks the XLA device)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -96,6 +96,9 @@ def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys):
     assert main(argv + ["--gammas", "2,6"]) == 2
     err = capsys.readouterr().err
     assert "verify_width=6, so gamma <= 5" in err and "Traceback" not in err
+    assert main(argv + ["--gammas", "2", "--threads", "1", "--spin", "off"]) == 2
+    err = capsys.readouterr().err
+    assert "--threads, --spin configure ONNX Runtime and do nothing with --runtime xla" in err, err
 
 
 def test_xla_options_are_checked_before_the_onnx_work(tiny_checkpoints, tmp_path, capsys, monkeypatch):
