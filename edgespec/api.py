@@ -494,11 +494,6 @@ def warn_if_no_spare_core(threads: int | None) -> None:
             "drafter='model'", EdgeSpecWarning, stacklevel=3)
 
 
-def _provider_names(providers) -> list[str]:
-    names = providers.replace(",", " ").split() if isinstance(providers, str) else list(providers)
-    return [str(n).strip().lower() for n in names]
-
-
 def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,
          threads: int = 0, draft_threads: int | None = 1, spinning: bool | None = None,
          draft_spinning: bool | None = None, load_draft: bool = True, runtime: str = "onnx",
@@ -518,13 +513,14 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     """
     from tokenizers import Tokenizer
 
-    from .runtimes.onnx_backend import SessionConfig, open_backend, resolve_providers
+    from .runtimes.onnx_backend import PROVIDER_ALIASES, SessionConfig, open_backend, provider_names, resolve_providers
 
     for name, v in (("threads", threads), ("draft_threads", draft_threads)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise InvalidArgumentError(f"{name} (CLI --{name.replace('_', '-')}) must be an integer >= 0 "
                                        f"(0 = ONNX Runtime's default); got {v!r}")
-    if runtime == "xla" and (_provider_names(providers) != ["cpu"] or draft_providers is not None):
+    ort_names = [PROVIDER_ALIASES.get(n.lower(), n) for n in provider_names(providers)]
+    if runtime == "xla" and (ort_names != [PROVIDER_ALIASES["cpu"]] or draft_providers is not None):
         raise InvalidArgumentError("providers configure ONNX Runtime; with runtime='xla' choose the device with "
                                    "platform= (CLI --platform) and drop providers (CLI --provider/--draft-provider)")
     root = Path(bundle)

@@ -19,6 +19,8 @@ class Backend(Protocol):
         vocab_size: number of logits per position.
         max_length: the most tokens the cache can hold (model positions or static buffers).
         length: tokens currently in the cache.
+        is_encoder_decoder (optional): True when ``prefill`` sends the prompt to an encoder and
+            ``length`` counts decoder tokens only (T5); absent means decoder-only.
     """
 
     vocab_size: int

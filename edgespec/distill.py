@@ -27,7 +27,7 @@ from typing import Sequence
 from . import contract
 from .corpus import bar_options
 from .errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError
-from .outputs import check_replaceable, check_writable, usual_permissions
+from .outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
 
 MODES = ("mix", "kl", "tv")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -106,8 +106,8 @@ def _vocab(model) -> int:
 
 # ----------------------------------------------------------------------------- loading
 
-def check_hf_folder(folder: Path, role: str = "target") -> None:
-    """Typed errors for a folder that cannot be loaded safely as an HF checkpoint."""
+def check_hf_folder(folder: Path, role: str = "target") -> str | None:
+    """Typed errors for a folder that cannot be loaded safely as an HF checkpoint; its model_type."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{role} folder {folder} does not exist; pass a Hugging Face checkpoint folder")
@@ -139,6 +139,7 @@ def check_hf_folder(folder: Path, role: str = "target") -> None:
             f"{role} folder {folder} has no tokenizer (tokenizer.json); the draft must share the target's tokenizer. "
             "Save it next to the model: tokenizer.save_pretrained(DIR)"
         )
+    return model_type
 
 
 def load_target(folder: Path):
@@ -180,14 +181,18 @@ SIZES = {
 }
 
 
+def _named_size(size: str) -> DraftSize:
+    if size not in SIZES:
+        raise InvalidArgumentError(f"unknown draft size {size!r}; choose one of {', '.join(SIZES)} or give --layers/--hidden")
+    return SIZES[size]
+
+
 def resolve_size(size: str | None, layers: int | None = None, hidden: int | None = None, heads: int | None = None,
                  intermediate: int | None = None):
     """A :class:`edgespec.pair.ModelSize` from a named size, with any explicit field overriding it."""
     from .pair import ModelSize
 
-    if size is not None and size not in SIZES:
-        raise InvalidArgumentError(f"unknown draft size {size!r}; choose one of {', '.join(SIZES)} or give --layers/--hidden")
-    base = SIZES[size or "small"]
+    base = _named_size(size or "small")
     hidden = base.hidden if hidden is None else hidden
     if heads is None:
         heads = base.heads if hidden == base.hidden else max(1, hidden // 64)
@@ -213,11 +218,10 @@ def _init_shape(config, size, layers, hidden, heads, intermediate):
                     kv_heads=None if c.num_key_value_heads == c.num_attention_heads else c.num_key_value_heads)
     asked = {"hidden": hidden, "heads": heads, "intermediate": intermediate}
     if size is not None:
-        if size not in SIZES:
-            raise InvalidArgumentError(f"unknown draft size {size!r}; choose one of {', '.join(SIZES)}")
-        asked = {k: getattr(SIZES[size], k) if v is None else v for k, v in asked.items()}
+        named = _named_size(size)
+        asked = {k: getattr(named, k) if v is None else v for k, v in asked.items()}
         if layers is None:
-            asked["layers"] = SIZES[size].layers
+            asked["layers"] = named.layers
     wrong = [f"{k} {v} (the checkpoint has {getattr(own, k)})" for k, v in asked.items()
              if v is not None and v != getattr(own, k)]
     if wrong:
@@ -407,15 +411,13 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     except OSError:
         pass
     check_hf_folder(target_dir, "target")  # before the seconds torch and transformers take to import
-    if init is not None:
-        check_hf_folder(Path(init), "init draft")
+    init_type = check_hf_folder(Path(init), "init draft") if init is not None else None
     import torch
     from transformers import LlamaForCausalLM
 
     if init is None:
         draft_size = resolve_size(size, layers, hidden, heads, intermediate)
     else:  # the checkpoint's shape, checked before the (larger) target is loaded
-        init_type = json.loads((Path(init) / "config.json").read_text(encoding="utf-8")).get("model_type")
         if init_type != "llama":  # read as a Llama, another type's config gives Llama defaults (a 7 B model)
             raise InvalidArgumentError(f"--init {init} holds a {init_type!r} model; distill trains Llama drafts, so "
                                        "--init takes a Llama draft (one made by `edgespec distill`): drop --init to "
@@ -528,13 +530,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                 shutil.copyfile(target_dir / name, tmp / name)
         _write_json_atomic(report, tmp / "distill.json")
         usual_permissions(tmp, recursive=True)  # safetensors writes the weights 0600
-        if out_dir.exists():
-            trash = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, trash)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        swap_into_place(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

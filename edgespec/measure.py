@@ -24,6 +24,8 @@ class ReadCounter:
     def __init__(self, backend, weight_bytes: int, kv_bytes_per_token: int):
         self.backend = backend
         self.vocab_size, self.max_length = backend.vocab_size, backend.max_length
+        if hasattr(backend, "is_encoder_decoder"):  # the loop's length messages read it
+            self.is_encoder_decoder = backend.is_encoder_decoder
         self.weight_bytes, self.kv_bytes_per_token = weight_bytes, kv_bytes_per_token
         self.reset()
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -31,6 +32,18 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out") -
         raise OutputExistsError(
             f"{flag} {str(dest)!r} exists, is not empty and is not {what} (no {marker}); --overwrite replaces only "
             f"{what}: choose another {flag} or empty the folder yourself")
+
+
+def swap_into_place(new: Path, dest: Path) -> None:
+    """Rename the finished folder ``new`` to ``dest``; an existing ``dest`` (``--overwrite``) is
+    moved aside first and removed after, so ``dest`` is never a half-replaced mix."""
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+        os.replace(dest, old / dest.name)
+        os.replace(new, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(new, dest)
 
 
 def check_writable(dest: Path, flag: str = "--out") -> None:

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, bar_options, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
-from .outputs import check_replaceable, check_writable, usual_permissions
+from .outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
 
 FORMAT_VERSION = 1
 
@@ -553,13 +553,7 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
         _write_json_atomic(meta, work / "pair.json")
         (work / ".lock").unlink(missing_ok=True)
         usual_permissions(work, recursive=True)  # safetensors writes the weights 0600
-        if dest.exists():  # --overwrite: move the old folder aside, then swap
-            trash = dest.with_name(dest.name + f".old-{os.getpid()}")
-            os.replace(dest, trash)
-            os.replace(work, dest)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(work, dest)
+        swap_into_place(work, dest)  # --overwrite: the old folder is moved aside, then removed
     return dest
 
 

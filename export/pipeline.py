@@ -26,7 +26,7 @@ from edgespec import contract
 from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
 from edgespec.errors import (DiskFullError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError,
                              UnsupportedArchitectureError)
-from edgespec.outputs import check_replaceable, check_writable, usual_permissions
+from edgespec.outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
 
 from . import graph_info, static_kv, validate
 from .checkpoint import Checkpoint, inspect_checkpoint
@@ -281,9 +281,9 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
                 "--quantize (a draft may still be int8: --quantize-draft int8)")
         from .xla import check_xla_options
 
-        for ckpt in roles.values():  # XLA options, checked against each config before the ONNX work
-            resolved = check_xla_options(ckpt.path, **{"atol": options.atol, **xla})
-        if draft is not None and resolved["verify_width"] == 1:
+        # XLA options, checked against each config before the ONNX work
+        resolved = [check_xla_options(ckpt.path, **{"atol": options.atol, **xla}) for ckpt in roles.values()]
+        if draft is not None and resolved[0]["verify_width"] == 1:
             warnings.warn("--verify-width 1 leaves no room for a draft token: the XLA runtime can only decode plainly "
                           "with this bundle; pass --verify-width 2 or more (max gamma + 1; default 9)",
                           EdgeSpecWarning, stacklevel=2)
@@ -340,13 +340,7 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         load_bundle(tmp, allow_partial=True)  # the reader must accept what the writer wrote
         usual_permissions(tmp, recursive=True)  # mkdtemp (0700), onnx's external data and XLA weights (0600)
         progress(f"writing {dest}")
-        if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-            os.replace(dest, old / "bundle")
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
+        swap_into_place(tmp, dest)
         # Killed before this line: dest holds the marker, does not load, and the next export of
         # the same --out replaces it (check_output treats it as our own stale leftover).
         (dest / PARTIAL_MARKER).unlink()

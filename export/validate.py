@@ -161,19 +161,24 @@ def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, dec
     return stages
 
 
+def worst(diffs: dict) -> tuple[str | None, float]:
+    """(name, value) of the largest difference in ``{name: diff}``; a NaN (non-finite output) wins."""
+    worst_name, worst_d = None, 0.0
+    for name, d in diffs.items():
+        if not np.isfinite(d):
+            return name, d
+        if d > worst_d:
+            worst_name, worst_d = name, d
+    return worst_name, worst_d
+
+
 def summarize(stages: dict, atol: float, what: str) -> dict:
     """Worst diff over all stages/outputs; ValidationError if it exceeds ``atol`` (or is NaN)."""
-    worst_name, worst = None, 0.0
-    for stage, diffs in stages.items():
-        for name, d in diffs.items():
-            if not np.isfinite(d) or d > worst:
-                worst_name, worst = f"{stage}/{name}", d
-            if not np.isfinite(d):
-                break
-    if not np.isfinite(worst) or worst > atol:
+    worst_name, worst_d = worst({f"{stage}/{name}": d for stage, diffs in stages.items() for name, d in diffs.items()})
+    if not np.isfinite(worst_d) or worst_d > atol:
         raise ValidationError(
-            f"{what}: ONNX Runtime output {worst_name} differs from PyTorch by {worst:.3g} (tolerance {atol:g}); "
+            f"{what}: ONNX Runtime output {worst_name} differs from PyTorch by {worst_d:.3g} (tolerance {atol:g}); "
             "no bundle was written. If this is a quantized model, export without --quantize or raise "
             "--quantized-atol; otherwise try another --opset, or raise --atol only if you accept the error"
         )
-    return {"atol": atol, "max_abs_diff": worst, "worst_output": worst_name, "stages": stages}
+    return {"atol": atol, "max_abs_diff": worst_d, "worst_output": worst_name, "stages": stages}

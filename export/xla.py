@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import tempfile
 import time
@@ -31,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgespec.errors import InvalidArgumentError, OutputExistsError
-from edgespec.outputs import check_replaceable, check_writable, usual_permissions
+from edgespec.outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
 
 FORMAT = "edgespec-xla"
 FORMAT_VERSION = 1
@@ -158,13 +157,7 @@ def export_xla(
         manifest["export_seconds"] = round(time.perf_counter() - t0, 2)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         usual_permissions(tmp, recursive=True)  # mkdtemp (0700), safetensors (0600)
-        if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{XLA_SUBDIR}.old-", dir=out_dir))
-            os.replace(dest, old / XLA_SUBDIR)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
+        swap_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if made_out:
@@ -316,19 +309,18 @@ def validate_xla(checkpoint_dir: Path, folder: Path, seq2seq: bool, platforms: S
             else dict(input_ids=torch.from_numpy(dec[None]))
         ref = model(**feed).logits[0].double().numpy()
     del model
-    stages = {}
-    for stage, (pos, logits) in got.items():
-        d = np.abs(np.asarray(logits, np.float64) - ref[pos:pos + len(logits)])
-        stages[stage] = float(d.max()) if np.all(np.isfinite(d)) else float("nan")
-    worst = max(stages, key=lambda s: np.inf if not np.isfinite(stages[s]) else stages[s])
-    if not np.isfinite(stages[worst]) or stages[worst] > atol:
+    stages = {stage: validate._diff(np.asarray(logits), ref[pos:pos + len(logits)], stage)
+              for stage, (pos, logits) in got.items()}
+    worst, worst_d = validate.worst(stages)
+    worst = worst or next(iter(stages))  # every stage exact
+    if not np.isfinite(worst_d) or worst_d > atol:
         raise ValidationError(
-            f"{checkpoint_dir}: the XLA artifacts' logits ({worst}) differ from PyTorch by {stages[worst]:.3g} "
+            f"{checkpoint_dir}: the XLA artifacts' logits ({worst}) differ from PyTorch by {worst_d:.3g} "
             f"(tolerance {atol:g}); nothing was written. The XLA path re-implements the architecture in "
             "JAX: if the difference is numerical noise (a deep fp32 model), raise --atol; otherwise it reads this "
             "config differently: export ONNX only (`edgespec export` without --format onnx+xla) and report the "
             "model's config.json")
-    return {"platform": "cpu", "atol": atol, "max_abs_diff": stages[worst], "worst_stage": worst, "stages": stages}
+    return {"platform": "cpu", "atol": atol, "max_abs_diff": worst_d, "worst_stage": worst, "stages": stages}
 
 
 # --------------------------------------------------------------------------------------------

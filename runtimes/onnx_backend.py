@@ -72,13 +72,18 @@ def available_providers() -> list[str]:
     return [_ORT_TO_ALIAS.get(p, p) for p in ort.get_available_providers()]
 
 
+def provider_names(names: Sequence[str] | str) -> list[str]:
+    """A provider list as given (comma-separated string or sequence), without blanks."""
+    if isinstance(names, str):
+        names = [n for n in names.split(",") if n.strip()]
+    return [n.strip() for n in names]
+
+
 def resolve_providers(names: Sequence[str] | str) -> tuple[str, ...]:
     """Map an ordered list of provider names to ORT names; ProviderError if one is not available."""
     import onnxruntime as ort
 
-    if isinstance(names, str):
-        names = [n for n in names.split(",") if n.strip()]
-    names = [n.strip() for n in names]
+    names = provider_names(names)
     if not names:
         raise ProviderError(f"no execution provider given; available: {', '.join(available_providers())}")
     have = ort.get_available_providers()
