@@ -90,6 +90,8 @@ def _check_flags(args: argparse.Namespace) -> None:
                                    "(or drop --no-draft to draft with it)")
     if args.no_draft and args.gamma != "auto":
         raise InvalidArgumentError("--no-draft decodes with the target alone: --gamma has no effect; drop one of them")
+    if args.no_draft and args.lenience != 1.0:
+        raise InvalidArgumentError("--no-draft decodes with the target alone: --lenience has no effect; drop one of them")
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
     refuse_ort_flags(args.runtime, {"--provider": args.provider != "cpu", "--draft-provider": args.draft_provider,
@@ -119,12 +121,17 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   gamma=parse_gamma(args.gamma), lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft,
                   drafter=args.draft)
+    exact = args.no_draft or args.lenience == 1.0
+    if 0 < args.lenience < 1:  # Appendix A.5: l < 1 keeps more drafts, so the output is no longer the target's distribution
+        print(f"[note: --lenience {args.lenience:g} < 1 is not exact: the output is not distributed as the target's "
+              "(Appendix A.5); 1 is exact]", file=sys.stderr)
     if args.json or args.show_drafts:
         out = engine.generate(args.prompt, **kwargs)
         if args.json:
             print(json.dumps(json_safe({
                 "text": out.text, "prompt_ids": out.prompt_ids, "ids": out.ids, "sources": out.sources,
                 "finish_reason": out.finish_reason, "speculative": engine.has_draft and not args.no_draft,
+                "exact": exact,
                 "stats": out.stats.to_dict()}), allow_nan=False))  # strict JSON: a statistic without data is null
         else:
             color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")  # https://no-color.org

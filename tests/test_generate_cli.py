@@ -58,6 +58,19 @@ def test_contradictory_flags(tiny_bundle, capsys):
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--draft", "ngram"], capsys, "drop --draft ngram")
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--gamma", "4"], capsys, "--gamma has no effect")
     _fails(["generate", b, "--prompt", "x", "--platform", "tpu"], capsys, "--runtime xla")
+    _fails(["generate", b, "--prompt", "x", "--no-draft", "--lenience", "0.5"], capsys, "--lenience has no effect")
+    _fails(["generate", b, "--prompt", "x", "--lenience", "0"], capsys, "lenience must be in (0, 1]")
+
+
+def test_lenience_below_one_says_it_is_not_exact(tiny_bundle, capsys):
+    b = str(tiny_bundle("gpt2"))
+    argv = ["generate", b, "--prompt", PROMPT, "--seed", "3", "--max-new-tokens", "6", "--json"]
+    assert main(argv) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["exact"] is True and "not exact" not in cap.err
+    assert main(argv + ["--lenience", "0.5"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["exact"] is False and "--lenience 0.5 < 1 is not exact" in cap.err
 
 
 def test_seq2seq_generate(tiny_bundle, capsys):
