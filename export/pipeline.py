@@ -315,7 +315,7 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
                                       models[contract.ROLE_TARGET].vocab_size, models[contract.ROLE_DRAFT].vocab_size)
         formats = {}
         if xla is not None:
-            from .xla import export_xla
+            from .xla import export_xla, xla_summary
 
             formats["xla"] = {}
             for role, ckpt in roles.items():
@@ -325,8 +325,7 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
                 v = m["validation"]
                 progress(f"{role}: XLA artifacts " + (f"not validated: {v['skipped']}" if "skipped" in v else
                                                       f"vs PyTorch: max |logits diff| {v['max_abs_diff']:.2e}"))
-                formats["xla"][role] = {k: m[k] for k in ("platforms", "max_length", "verify_width", "jax_version",
-                                                          "validation") if k in m}
+                formats["xla"][role] = xla_summary(m)
         manifest = BundleManifest(
             formats=formats,
             schema_version=contract.SCHEMA_VERSION,

@@ -386,6 +386,41 @@ def run_xla_export(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return result
 
 
+# What a bundle's manifest records of each model's XLA export (``formats.xla.<role>``); the runtime
+# itself reads xla.json, this is the summary a reader of edgespec.json sees.
+SUMMARY_KEYS = ("platforms", "max_length", "verify_width", "jax_version", "validation")
+
+
+def xla_summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    return {k: manifest[k] for k in SUMMARY_KEYS if k in manifest}
+
+
+def refresh_bundle_summary(model_dir: Path, manifest: dict[str, Any]) -> str | None:
+    """If ``model_dir`` is a model folder of a bundle, record the new export in the bundle's
+    ``formats.xla`` (else a re-export leaves a stale summary there). Returns the role updated."""
+    import sys
+
+    from edgespec import contract
+    from edgespec.bundle import load_bundle, write_manifest
+    from edgespec.errors import BundleError
+
+    root = model_dir.resolve().parent
+    if not (root / contract.MANIFEST_NAME).is_file():
+        return None
+    try:
+        bundle = load_bundle(root)
+    except BundleError as exc:
+        print(f"warning: {root} looks like a bundle but cannot be read, so its XLA summary was not updated: {exc}",
+              file=sys.stderr)
+        return None
+    for role, m in bundle.models.items():
+        if (root / m.path).resolve() == model_dir.resolve():
+            bundle.formats.setdefault("xla", {})[role] = xla_summary(manifest)
+            write_manifest(root, bundle)
+            return role
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m edgespec.export.xla CHECKPOINT OUT [options]`` (standalone use)."""
     import sys
@@ -399,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         m = run_xla_export(args)["model"]
+        role = refresh_bundle_summary(Path(args.out), m)
     except EdgeSpecError as exc:
         print(f"edgespec export: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -406,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = v["skipped"] if "skipped" in v else f"max |logits - PyTorch| {v['max_abs_diff']:.2e} on cpu"
     print(f"wrote {Path(args.out) / XLA_SUBDIR} ({m['model_type']}, platforms {','.join(m['platforms'])}, "
           f"max_length {m['max_length']}, widths {m['widths']}, {m['export_seconds']}s; {check})")
+    if role is not None:
+        print(f"updated the {role}'s XLA summary (formats.xla) in {Path(args.out).resolve().parent}")
     return 0
 
 

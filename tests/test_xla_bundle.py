@@ -146,3 +146,22 @@ def test_standalone_xla_export_output_paths(tiny_checkpoints, tmp_path, capsys):
     assert xla_main([str(t), "/proc/edgespec-no", "--max-length", "16"]) == 2
     err = capsys.readouterr().err
     assert "cannot write" in err and "Traceback" not in err
+
+
+def test_standalone_reexport_updates_the_bundle_summary(xla_bundle, tiny_checkpoints, tmp_path, capsys):
+    """Re-exporting one model of a bundle with the standalone tool keeps edgespec.json's formats.xla true."""
+    import shutil
+
+    from edgespec.export.xla import main as xla_main
+
+    b = tmp_path / "b"
+    shutil.copytree(xla_bundle("gpt2"), b)
+    before = json.loads((b / "edgespec.json").read_text())["formats"]["xla"]
+    t, _ = tiny_checkpoints("gpt2")
+    assert xla_main([str(t), str(b / "target"), "--max-length", "32", "--verify-width", "4", "--overwrite"]) == 0
+    assert "updated the target's XLA summary" in capsys.readouterr().out
+    after = json.loads((b / "edgespec.json").read_text())["formats"]["xla"]
+    assert (after["target"]["max_length"], after["target"]["verify_width"]) == (32, 4)
+    assert after["draft"] == before["draft"] and before["target"]["max_length"] == 64
+    out = load(b, runtime="xla").generate([3, 9, 4], max_new_tokens=8, temperature=0.0, gamma=3)
+    assert out.ids == load(b).generate([3, 9, 4], max_new_tokens=8, temperature=0.0, gamma=3).ids
