@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
 from typing import Callable
 
@@ -32,7 +33,8 @@ class ModelDrafter:
         self._base = 0
 
     def start(self, prompt: np.ndarray) -> None:
-        self.backend.prefill(prompt)
+        # ids the draft has no row for get a stand-in, as in propose (the output stays exact)
+        self.backend.prefill(np.minimum(prompt, self.vocab_size - 1))
         self._base = self.backend.length
 
     def room(self, generated: int) -> int:
@@ -119,6 +121,7 @@ class LookaheadDrafter(ModelDrafter):
         self._ahead: tuple | None = None     # a finished job: (assumed count, ids [k], q [k, V], conf [k])
         self._thread: threading.Thread | None = None
         self.reused_rounds = 0               # rounds whose drafts were made during the previous verify
+        self.wait_s = 0.0                    # time the caller spent waiting for the worker (draft time it saw)
 
     def start(self, prompt: np.ndarray) -> None:
         self._join()
@@ -166,6 +169,18 @@ class LookaheadDrafter(ModelDrafter):
         self._ahead = None
         super().rollback(kept)
 
+    def abandon(self) -> None:
+        """Stop and wait for the worker's job when a round ends in an error (the draft is then free
+        for other callers); its drafts are dropped. The worker's own error, if any, is not raised:
+        the caller is already raising the one that ended the round."""
+        if self._busy:
+            self._cancel = True
+            try:
+                self._join()
+            except BaseException:  # noqa: BLE001  (see the docstring)
+                pass
+        self._ahead = None
+
     def close(self) -> None:
         """Stop the worker thread (a later round starts a new one)."""
         self._cancel = True
@@ -194,7 +209,9 @@ class LookaheadDrafter(ModelDrafter):
         """Wait for the worker; its drafts become ``_ahead`` unless it was stopped."""
         if not self._busy:
             return
+        t0 = time.perf_counter()
         self._done.wait()
+        self.wait_s += time.perf_counter() - t0
         self._busy = False
         result, self._result = self._result, None
         if isinstance(result, BaseException):
@@ -265,7 +282,9 @@ class NgramDrafter:
             if nxt is not None:
                 found = toks[nxt:nxt + gamma]
                 break
-        ids = np.asarray([t for t in found if t < vocab], dtype=np.int64)     # [g]
+        # up to the first id outside the sample space (dropping it would shift the later ones)
+        found = found[:next((j for j, t in enumerate(found) if t >= vocab), len(found))]
+        ids = np.asarray(found, dtype=np.int64)                                # [g]
         q = np.zeros((ids.shape[0], vocab))                                    # [g, V] one-hot
         q[np.arange(ids.shape[0]), ids] = 1.0
         return ids, q, np.ones(ids.shape[0])

@@ -121,8 +121,10 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   gamma=parse_gamma(args.gamma), lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft,
                   drafter=args.draft)
-    exact = args.no_draft or args.lenience == 1.0
-    if 0 < args.lenience < 1:  # Appendix A.5: l < 1 keeps more drafts, so the output is no longer the target's distribution
+    # Appendix A.5: l < 1 keeps more drafts, so the output is no longer the target's distribution
+    # (greedy is unaffected: a draft is kept only if it is the target's argmax).
+    exact = args.no_draft or args.lenience == 1.0 or args.temperature == 0
+    if 0 < args.lenience < 1 and args.temperature != 0:
         print(f"[note: --lenience {args.lenience:g} < 1 is not exact: the output is not distributed as the target's "
               "(Appendix A.5); 1 is exact]", file=sys.stderr)
     if args.json or args.show_drafts:
@@ -130,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(json_safe({
                 "text": out.text, "prompt_ids": out.prompt_ids, "ids": out.ids, "sources": out.sources,
-                "finish_reason": out.finish_reason, "speculative": engine.has_draft and not args.no_draft,
+                "finish_reason": out.finish_reason, "speculative": not args.no_draft and (engine.has_draft or args.draft == "ngram"),
                 "exact": exact,
                 "stats": out.stats.to_dict()}), allow_nan=False))  # strict JSON: a statistic without data is null
         else:

@@ -69,7 +69,10 @@ class GenerationStats:
 
     @property
     def c(self) -> float:
-        """Measured cost coefficient: time of one draft call / time of one target (round) call."""
+        """Measured cost coefficient: time of one draft call / time of one target (round) call.
+
+        The draft time is what the loop waited for drafts: with the lookahead drafter, drafting in
+        the caller's thread plus waiting for its worker, over all drafted tokens (reused ones too)."""
         steps = self.target_calls - 1  # prefill excluded
         if not self.draft_calls or steps <= 0 or self.target_s <= 0:
             return float("nan")
@@ -142,6 +145,7 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     # 2. verify: one target call over [pending, x_1..x_g] gives p_1..p_{g+1}.
     logits = target.extend(np.concatenate(([generated[-1]], x)))[:, :vocab]     # [g+1, V]
     t2 = time.perf_counter()
+    waited = getattr(drafter, "wait_s", 0.0)  # a lookahead drafter's waits for its worker (draft time)
     # 3. accept: leading drafts kept, then a recovered or bonus token.
     if sampling.greedy:  # p one-hot: the test reduces to comparing argmaxes (greedy_verdict)
         a = argmax_rows(logits, "target model")                                 # [g+1]
@@ -160,11 +164,12 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     target.rewind_to(target.length - g + n)
     drafter.rollback(len(generated) + n)
     t3 = time.perf_counter()
+    waited = getattr(drafter, "wait_s", 0.0) - waited
     stats.target_calls += 1
     stats.draft_calls += g
-    stats.draft_s += t1 - t0
+    stats.draft_s += t1 - t0 + waited
     stats.target_s += t2 - t1
-    stats.sample_s += t3 - t2
+    stats.sample_s += t3 - t2 - waited
     if policy is not None:  # the verify side of a round: the target call and the acceptance test
         policy.update(conf, n, t1 - t0, t3 - t1)
     tokens = [int(t) for t in x[:n]] + [verdict.token]
@@ -259,22 +264,27 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
         policy = policy if policy is not None else AdaptiveGamma(config.max_gamma)
     else:
         policy = None
-    while reason is None:
-        remaining = config.max_new_tokens - len(out)
-        gamma = 0
-        if drafter is not None:
-            # Never draft past what can be emitted or what the caches can hold.
-            gamma = max(0, min(config.gamma or config.max_gamma, remaining - 1,
-                               target.max_length - target.length - 1, drafter.room(len(out))))
-        if gamma > 0:
-            tokens, kinds = speculative_step(target, drafter, out, gamma, config, rng, vocab, stats, policy)
-        else:
-            tokens, kinds = [_plain_step(target, out, config, rng, vocab, stats)], [TARGET]
-        block, reason = commit(tokens, kinds)
-        # An EOS or stop id inside a round cuts the tokens after it from the output: round_tokens
-        # counts the output; accepted/beta keep the target's verdict (a property of the pair).
-        stats.round_tokens -= len(tokens) - len(block)
-        yield block
+    try:
+        while reason is None:
+            remaining = config.max_new_tokens - len(out)
+            gamma = 0
+            if drafter is not None:
+                # Never draft past what can be emitted or what the caches can hold.
+                gamma = max(0, min(config.gamma or config.max_gamma, remaining - 1,
+                                   target.max_length - target.length - 1, drafter.room(len(out))))
+            if gamma > 0:
+                tokens, kinds = speculative_step(target, drafter, out, gamma, config, rng, vocab, stats, policy)
+            else:
+                tokens, kinds = [_plain_step(target, out, config, rng, vocab, stats)], [TARGET]
+            block, reason = commit(tokens, kinds)
+            # An EOS or stop id inside a round cuts the tokens after it from the output: round_tokens
+            # counts the output; accepted/beta keep the target's verdict (a property of the pair).
+            stats.round_tokens -= len(tokens) - len(block)
+            yield block
+    except BaseException:  # an error, Ctrl-C or a stream closed early: no drafting thread may outlive the round
+        if hasattr(drafter, "abandon"):
+            drafter.abandon()
+        raise
     stats.emitted = len(out)
     stats.total_s = time.perf_counter() - start
     return GenerationResult(out, sources, reason, stats)

@@ -88,7 +88,7 @@ def sample_row(logits: np.ndarray, cfg: SamplingConfig, u: float, out: np.ndarra
     if 0 < cfg.top_k < out.shape[0] or cfg.top_p < 1.0:
         out[:] = process_logits(logits[None], cfg, who)[0]
         return sample_index(out, u)
-    np.subtract(logits, logits[i], out=out)                       # [V] float64, max 0
+    np.subtract(logits, logits[i], out=out, dtype=np.float64)     # [V] float64, max 0 (fp16 logits: as process_logits)
     if cfg.temperature != 1.0:
         out /= cfg.temperature
     np.exp(out, out=out)

@@ -227,6 +227,17 @@ def test_sample_row_is_process_logits_then_sample_index(sampling):
         np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-12)
 
 
+def test_sample_row_computes_in_float64_for_half_precision_logits():
+    """Plain steps (sample_row) and verify rows (process_logits) must sample from the same
+    distribution whatever the logits' dtype: fp16 logits are widened before the subtraction."""
+    logits = (np.random.default_rng(3).normal(0, 4, 32000)).astype(np.float16)
+    for t in (1.0, 0.7):
+        sc = SamplingConfig(t)
+        out = np.empty(32000)
+        sample_row(logits, sc, 0.5, out)
+        assert np.abs(out / out.sum() - process_logits(logits[None], sc)[0]).max() < 1e-12
+
+
 def test_one_row_and_row_wise_argmax_fail_clearly_on_non_finite_logits():
     for bad in (np.nan, np.inf):
         row = np.array([0.0, bad, 1.0], dtype=np.float32)
@@ -345,6 +356,97 @@ def test_ngram_drafter_matches_reference_lookup_and_speeds_up_repetitive_text():
     ng = generate(target, [1, 2, 3] + plain.tokens[:60], c, np.random.default_rng(0), draft=NgramDrafter())
     assert ng.tokens == base.tokens
     assert ng.stats.target_calls < base.stats.target_calls / 2
+
+
+def test_ngram_drafter_stops_at_an_id_outside_the_sample_space():
+    """A continuation with an id the sampling vocabulary lacks is cut there (dropping the id would
+    shift the later drafts to positions they were not found at)."""
+    from edgespec.drafters import NgramDrafter
+    d = NgramDrafter(max_ngram=2)
+    d.start(np.asarray([1, 2, 3, 9, 4, 5, 1, 2]))
+    ids, q, _ = d.propose([], 5, SamplingConfig(1.0), np.random.default_rng(0), 8)
+    assert ids.tolist() == [3]                      # [3, 9, 4, 5, ...] up to the 9 (vocabulary 8)
+    assert q.shape == (1, 8) and q[0, 3] == 1.0
+
+
+class _Counting(ToyBackend):
+    """A toy draft that records overlapping entries (two threads inside at once) and fed ids."""
+
+    def __init__(self, *a, delay=0.0, **kw):
+        super().__init__(*a, **kw)
+        self.inside = self.overlaps = 0
+        self.max_id, self.delay = -1, delay
+
+    def _enter(self, ids):
+        import time
+        self.inside += 1
+        self.overlaps += self.inside > 1
+        self.max_id = max(self.max_id, int(np.max(ids)))
+        time.sleep(self.delay)
+
+    def prefill(self, ids):
+        self._enter(ids)
+        try:
+            self._n = 0
+            return ToyBackend.extend(self, ids)[-1]  # not self.extend: one entry
+        finally:
+            self.inside -= 1
+
+    def extend(self, ids):
+        self._enter(ids)
+        try:
+            return super().extend(ids)
+        finally:
+            self.inside -= 1
+
+
+def test_a_failed_round_stops_the_lookahead_worker():
+    """An error between the verify call and the rollback (here NaN target logits) must not leave
+    the lookahead worker drafting: the next call on the same draft model would run beside it."""
+    from edgespec.drafters import LookaheadDrafter, ModelDrafter
+
+    class NaNAt(ToyBackend):
+        def extend(self, ids):
+            out = super().extend(ids)   # counts self.calls
+            return np.full_like(out, np.nan) if self.calls == 3 else out
+
+    t, d = toy_pair(16, 2, 0.3)
+    draft = _Counting(d.model, 256, delay=0.005)
+    look = LookaheadDrafter(draft)
+    c = cfg(max_new_tokens=40, gamma=6, sampling=SamplingConfig(1.0))
+    with pytest.raises(NonFiniteLogitsError):
+        generate(NaNAt(t.model, 256), [1, 2, 3], c, np.random.default_rng(0), draft=look)
+    assert not look._busy
+    generate(ToyBackend(t.model, 256), [1, 2, 3], c, np.random.default_rng(0), draft=ModelDrafter(draft))
+    assert draft.overlaps == 0
+    look.close()
+
+
+def test_lookahead_waits_count_as_draft_time():
+    """The caller's waits for the lookahead worker are draft time (c), not sampling time."""
+    from edgespec.drafters import LookaheadDrafter
+    t, d = toy_pair(16, 2, 0.3)
+    look = LookaheadDrafter(_Counting(d.model, 256, delay=0.004))
+    r = generate(ToyBackend(t.model, 256), [1, 2, 3], cfg(max_new_tokens=40, gamma=4, sampling=SamplingConfig(1.0)),
+                 np.random.default_rng(0), draft=look)
+    look.close()
+    st = r.stats
+    assert st.rounds > 3 and look.wait_s > 0
+    assert st.sample_s < 0.25 * st.draft_s, (st.sample_s, st.draft_s)   # each draft call sleeps 4 ms
+
+
+def test_prompt_ids_beyond_the_draft_vocabulary_get_a_stand_in():
+    from edgespec.drafters import LookaheadDrafter, ModelDrafter
+    target = ToyBackend(ToyLM(6, 2, seed=1), 64)
+    plain = generate(target, [1, 5, 2], cfg(max_new_tokens=10, sampling=GREEDY), np.random.default_rng(0))
+    for cls in (ModelDrafter, LookaheadDrafter):
+        draft = _Counting(ToyLM(4, 2, seed=2), 64)
+        drafter = cls(draft)
+        r = generate(target, [1, 5, 2], cfg(max_new_tokens=10, gamma=3, sampling=GREEDY), np.random.default_rng(0),
+                     draft=drafter)
+        assert draft.max_id < 4 and r.tokens == plain.tokens, cls
+        if cls is LookaheadDrafter:
+            drafter.close()
 
 
 def test_adaptive_gamma_greedy_identity_and_choice():

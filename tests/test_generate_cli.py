@@ -71,6 +71,9 @@ def test_lenience_below_one_says_it_is_not_exact(tiny_bundle, capsys):
     assert main(argv + ["--lenience", "0.5"]) == 0
     cap = capsys.readouterr()
     assert json.loads(cap.out)["exact"] is False and "--lenience 0.5 < 1 is not exact" in cap.err
+    assert main(argv + ["--lenience", "0.5", "--temperature", "0"]) == 0   # greedy keeps only the argmax: exact
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["exact"] is True and "not exact" not in cap.err
 
 
 def test_seq2seq_generate(tiny_bundle, capsys):

@@ -30,3 +30,4 @@ def test_generate_cli_ngram(tiny_bundle, capsys):
                  "--temperature", "0", "--max-new-tokens", "12", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["ids"]) == 12 or out["finish_reason"] != "length"
+    assert out["speculative"] is True and out["stats"]["rounds"] > 0  # no draft model, still speculative
