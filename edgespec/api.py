@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -174,13 +175,24 @@ class TextStream:
         self._blocks, self._detok, self._finish, self._guard = blocks, detok, finish, guard
         self._result: GenerationOutput | None = None
         self._lease: _Lease | None = None
-        self._started = self._closed = False
+        self._closed = False
+        self._steps_ref: weakref.ref | None = None
 
     def __iter__(self) -> Iterator[StreamChunk]:
-        if self._started:
-            raise InvalidArgumentError("a stream can be iterated only once; call generate(..., stream=True) again")
-        self._started = True
-        return self._steps()
+        # One pass: iterating again goes on where a live iterator stopped (``it = iter(s); next(it);
+        # for c in s``). Only a weak reference is kept, so that an iterator dropped early (leaving a
+        # for loop with break) is collected, which closes the stream and gives the engine back.
+        steps = self._steps_ref() if self._steps_ref is not None else None
+        if steps is not None:
+            return steps
+        if self._steps_ref is not None:
+            if self._result is None:
+                raise InvalidArgumentError("the stream was closed before it finished, so it cannot be iterated again; "
+                                           "call generate(..., stream=True) again")
+            return iter(())  # finished: nothing more
+        steps = self._steps()
+        self._steps_ref = weakref.ref(steps)
+        return steps
 
     def _steps(self) -> Iterator[StreamChunk]:
         try:
@@ -284,6 +296,13 @@ class Engine:
         return d / t if t > 0 and d > 0 else 0.05  # sizes unknown (a hand-made manifest): a small draft
 
     def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"encode takes text (str); got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8 (e.g. a shell's $'\xff')
+            raise InvalidArgumentError(f"the prompt is not valid Unicode text (character {exc.start}: "
+                                       f"{text[exc.start:exc.end]!r}); pass UTF-8 text or token ids") from None
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -367,18 +386,21 @@ class Engine:
         seed, gamma = as_int(seed), None if gamma == "auto" else as_int(gamma)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise InvalidArgumentError(f"seed must be a non-negative integer or None; got {seed!r}")
+        for name, flag in (("use_draft", use_draft), ("stream", stream)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise InvalidArgumentError(f"{name} must be True or False; got {flag!r:.40}")
         if drafter not in ("model", "lookahead", "ngram"):
             raise InvalidArgumentError(f"drafter must be 'model', 'lookahead' or 'ngram' (prompt lookup); got {drafter!r}")
         if drafter == "lookahead" and use_draft and self.draft is None:
             raise InvalidArgumentError(
                 "drafter='lookahead' drafts with the bundle's draft model, and this engine has none ("
                 + ("a single-model bundle: export one with --draft" if self.manifest.draft is None else "loaded with load_draft=False")
-                + "); use drafter='ngram' (prompt lookup, no model) or use_draft=False")
+                + "); use drafter='ngram' (prompt lookup, no model; CLI --draft ngram) or use_draft=False (CLI --no-draft)")
         ngram = bool(use_draft) and drafter == "ngram"
         use_draft = bool(use_draft) and self.draft is not None and not ngram  # the draft model takes part
         fixed = [gamma] if isinstance(gamma, int) and not isinstance(gamma, bool) else []
         max_gamma = gamma_bound(fixed, self.verify_width() if use_draft or ngram else None)
-        if isinstance(stop_token_ids, (str, bytes)) or not all(
+        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable) or not all(
                 isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in stop_token_ids):
             raise InvalidArgumentError(f"stop_token_ids must be a sequence of integer token ids; got {stop_token_ids!r:.80}")
         config = GenerationConfig(
@@ -523,6 +545,8 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     if runtime == "xla" and (ort_names != [PROVIDER_ALIASES["cpu"]] or draft_providers is not None):
         raise InvalidArgumentError("providers configure ONNX Runtime; with runtime='xla' choose the device with "
                                    "platform= (CLI --platform) and drop providers (CLI --provider/--draft-provider)")
+    if isinstance(bundle, bytes) or not isinstance(bundle, (str, os.PathLike)) or not str(bundle):
+        raise InvalidArgumentError(f"load takes the bundle's folder (a path from `edgespec export --out`); got {bundle!r:.80}")
     root = Path(bundle)
     manifest = load_bundle(root, roles=None if load_draft else (contract.ROLE_TARGET,))  # plain decoding needs no draft files
     if runtime == "xla":  # the ONNX Runtime session settings below do not apply
@@ -539,6 +563,12 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
         tokenizer = Tokenizer.from_file(str(tok_path))
     except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
         raise BundleError(f"{tok_path} cannot be read ({exc}); re-export the bundle") from exc
+    # the ids generation samples from are the tokenizer's (BundleManifest.sample_vocab_size)
+    size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    for m in (tm, manifest.draft if load_draft else None):
+        if m is not None and m.tokenizer_size != size:
+            raise BundleError(f"{root}: the manifest says the {m.path} tokenizer has {m.tokenizer_size} ids, {tok_path} has "
+                              f"{size}; the manifest was edited or the files mixed: re-export the bundle")
     if runtime == "onnx":
         def open_model(m, cfg):
             return open_backend(root / m.path, m, cfg)
@@ -549,7 +579,11 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
             raise BundleError(f"{root} has no XLA artifacts; re-export it with `edgespec export ... --format onnx+xla`")
 
         def open_model(m, cfg):
-            return XlaBackend.from_dir(root / m.path, platform=platform)
+            be = XlaBackend.from_dir(root / m.path, platform=platform)
+            if be.vocab_size != m.vocab_size:  # the ONNX backends check their logits' shape the same way
+                raise BundleError(f"{root / m.path}: the XLA artifacts give {be.vocab_size} logits per position, the "
+                                  f"manifest says vocab_size {m.vocab_size}; re-export the bundle")
+            return be
     else:
         raise InvalidArgumentError(f"runtime must be 'onnx' or 'xla'; got {runtime!r}")
     draft = None

@@ -57,11 +57,16 @@ def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), t
 
 def _parse_list(text: str, cast, name: str) -> list:
     try:
-        return [cast(x) for x in text.split(",") if x.strip()]
+        values = [cast(x) for x in text.split(",") if x.strip()]
     except InvalidArgumentError:
         raise
     except ValueError:
         raise InvalidArgumentError(f"--{name} takes a comma-separated list; got {text!r}") from None
+    if not values:
+        raise InvalidArgumentError(f"--{name} is empty; give at least one value (a comma-separated list)")
+    if len(set(values)) < len(values):
+        raise InvalidArgumentError(f"--{name} lists a value twice ({text!r}); give each once")
+    return values
 
 
 def _gamma(x: str):
@@ -113,10 +118,20 @@ def read_prompts(path: Path | None) -> list[str]:
         return list(CODE_PROMPTS)
     if not path.is_file():
         raise InvalidArgumentError(f"--prompts {path} is not a file; give a text file with prompts separated by '---' lines")
-    parts = [p.strip("\n") for p in path.read_text().split("\n---\n")]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(f"--prompts {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    parts, lines = [], []
+    for line in text.splitlines() + ["---"]:   # a line holding only --- ends a prompt (the last one too)
+        if line.strip() == "---":
+            parts.append("\n".join(lines).strip("\n"))
+            lines = []
+        else:
+            lines.append(line)
     parts = [p for p in parts if p.strip()]
     if not parts:
-        raise InvalidArgumentError(f"--prompts {path} holds no prompt")
+        raise InvalidArgumentError(f"--prompts {path} holds no prompt (prompts are separated by lines holding only ---)")
     return parts
 
 
@@ -156,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"{args.bundle} has no draft model; export one with --draft, or use --draft ngram")
     prompts = [ob.tokenizer.encode(p).ids for p in read_prompts(args.prompts)]
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
+    for name, backend in (("target", ob.target.backend), ("draft", ob.draft.backend if ob.draft else None)):
+        if hasattr(backend, "warmup"):  # XLA: each artifact compiles on first use, which must not land in a timed call
+            log(f"compiling the {name}'s XLA artifacts")
+            backend.warmup()
     t0 = time.perf_counter()
     # Settings that sample alike are measured side by side (one shared plain run per prompt), so
     # they can be compared with each other too (adaptive vs static gamma below).

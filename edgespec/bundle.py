@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -78,7 +78,7 @@ class BundleManifest:
         return min(self.target.tokenizer_size, self.target.vocab_size)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": "edgespec-bundle", **asdict(self)}
+        return {"format": contract.BUNDLE_FORMAT, **asdict(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "edgespec.json") -> "BundleManifest":
@@ -90,9 +90,14 @@ class BundleManifest:
                 "re-export the bundle with this edgespec version (`edgespec export ...`)"
             )
         try:
+            if data.get("format", contract.BUNDLE_FORMAT) != contract.BUNDLE_FORMAT:
+                raise ValueError(f"format is {data.get('format')!r:.60}, not {contract.BUNDLE_FORMAT!r}")
+            missing = [k for k in ("models", "shared_vocab_size", "opset") if k not in data]
+            if missing:
+                raise ValueError(f"it lacks {', '.join(missing)}")
             if not isinstance(data.get("models"), dict):
                 raise TypeError(f"'models' must be an object mapping role -> model, got {type(data.get('models')).__name__}")
-            models = {role: ModelManifest(**m) for role, m in data["models"].items()}
+            models = {role: _model(role, m) for role, m in data["models"].items()}
             for role, m in models.items():
                 _check_model_fields(role, m)
             manifest = cls(
@@ -104,16 +109,13 @@ class BundleManifest:
                 tokenizer_check=dict(data.get("tokenizer_check", {})),
                 formats=dict(data.get("formats", {})),
             )
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            raise BundleError(f"{where}: manifest is malformed ({exc!r}); re-export the bundle with `edgespec export`") from exc
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise BundleError(f"{where}: manifest is malformed ({exc}); re-export the bundle with `edgespec export`") from exc
         if not 1 <= manifest.shared_vocab_size <= _MAX_INT or not 0 <= manifest.opset <= _MAX_INT:
             raise BundleError(f"{where}: manifest is malformed (shared_vocab_size {manifest.shared_vocab_size}, opset "
                               f"{manifest.opset} out of range); re-export the bundle with `edgespec export`")
         if contract.ROLE_TARGET not in models:
             raise BundleError(f"{where}: manifest has no target model; re-export the bundle with `edgespec export`")
-        for role, m in models.items():
-            if m.kind not in contract.GRAPH_FILES:
-                raise BundleError(f"{where}: model {role!r} has unknown kind {m.kind!r}; re-export the bundle")
         return manifest
 
 
@@ -123,6 +125,19 @@ _COUNT_FIELDS = ("vocab_size", "tokenizer_size", "num_layers", "num_kv_heads", "
 # Far above any real model, low enough that buffers sized from them cannot exhaust memory by themselves.
 _COUNT_MAX = {"num_layers": 4096, "num_kv_heads": 4096, "head_size": 16384, "max_positions": 1 << 24}
 _OPTIONAL_ID_FIELDS = ("bos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def _model(role, entry) -> ModelManifest:
+    """One model entry as a ModelManifest; missing or unknown fields are named (not a Python signature error)."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"model {role!r} must be an object, got {type(entry).__name__}")
+    names = {f.name for f in fields(ModelManifest)}
+    required = {f.name for f in fields(ModelManifest) if f.default is MISSING and f.default_factory is MISSING}
+    missing, unknown = sorted(required - entry.keys()), sorted(entry.keys() - names)
+    if missing or unknown:
+        raise ValueError(f"model {role!r}" + (f" lacks {', '.join(missing)}" if missing else "")
+                         + (" and" if missing and unknown else "") + (f" has unknown fields {', '.join(unknown)}" if unknown else ""))
+    return ModelManifest(**entry)
 
 
 def _is_int(v) -> bool:
@@ -136,6 +151,11 @@ def _check_model_fields(role, m: ModelManifest) -> None:
     for name in _STR_FIELDS:
         if not isinstance(getattr(m, name), str):
             raise TypeError(f"{role}.{name} must be a string, got {getattr(m, name)!r:.60}")
+    if m.kind not in contract.GRAPH_FILES:
+        raise ValueError(f"{role}.kind must be one of {', '.join(contract.GRAPH_FILES)}, got {m.kind!r:.60}")
+    if m.dtype not in contract.DTYPES or m.quantization not in contract.QUANT_LABELS:
+        raise ValueError(f"{role}.dtype must be one of {', '.join(contract.DTYPES)} and {role}.quantization one of "
+                         f"{', '.join(contract.QUANT_LABELS)}; got {m.dtype!r:.20}, {m.quantization!r:.30}")
     for name in _COUNT_FIELDS:
         v, hi = getattr(m, name), _COUNT_MAX.get(name, _MAX_INT)
         if not _is_int(v) or not 1 <= v <= hi:
@@ -146,6 +166,11 @@ def _check_model_fields(role, m: ModelManifest) -> None:
             raise ValueError(f"{role}.{name} must be null or an integer in [0, {_MAX_INT}], got {v!r:.60}")
     if not isinstance(m.eos_token_ids, list) or not all(_is_int(i) and 0 <= i <= _MAX_INT for i in m.eos_token_ids):
         raise ValueError(f"{role}.eos_token_ids must be a list of non-negative integers, got {m.eos_token_ids!r:.60}")
+    ids = {name: getattr(m, name) for name in _OPTIONAL_ID_FIELDS if getattr(m, name) is not None}
+    ids.update({f"eos_token_ids[{j}]": i for j, i in enumerate(m.eos_token_ids)})
+    beyond = {k: v for k, v in ids.items() if v >= m.vocab_size}
+    if beyond:
+        raise ValueError(f"{role}: special token ids beyond its {m.vocab_size} logits ({beyond})")
     if not isinstance(m.files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in m.files.items()):
         raise TypeError(f"{role}.files must map graph role -> file name (strings), got {m.files!r:.60}")
     for v in m.files.values():

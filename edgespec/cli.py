@@ -73,9 +73,11 @@ def run_script(main: Callable[[], int | None], name: str) -> int:
     removed."""
     terminate = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if terminate else None
+    previous_hook = sys.unraisablehook
     try:
         if terminate:
             signal.signal(signal.SIGTERM, _raise_terminated)
+            sys.unraisablehook = lambda u: _deliver_again(u, previous_hook)
         return int(main() or 0)
     except EdgeSpecError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
@@ -105,10 +107,29 @@ def run_script(main: Callable[[], int | None], name: str) -> int:
     finally:
         if terminate:  # None: a handler set outside Python, which signal() cannot reinstall
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            sys.unraisablehook = previous_hook
 
 
 class _Terminated(BaseException):
     """Raised by the SIGTERM handler; a BaseException so that no ``except Exception`` stops it."""
+
+
+def _deliver_again(unraisable, previous_hook) -> None:
+    """A Ctrl-C or SIGTERM whose exception was raised inside a __del__ or a garbage-collector
+    callback (JAX has one) is printed and dropped by Python, and the program carried on. Send
+    the signal again from another thread, so that its handler runs in the interrupted code once
+    this hook has returned (a handler run inside the hook would be dropped the same way)."""
+    if isinstance(unraisable.exc_value, KeyboardInterrupt):
+        signum = signal.SIGINT
+    elif isinstance(unraisable.exc_value, _Terminated):
+        signal.signal(signal.SIGTERM, _raise_terminated)  # its handler had reset itself for a second SIGTERM
+        signum = signal.SIGTERM
+    else:
+        return previous_hook(unraisable)
+    # 10 ms later: the hook has long returned (if not, the signal lands here again and is re-sent)
+    timer = threading.Timer(0.01, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
 
 
 def _raise_terminated(signum, frame):

@@ -17,6 +17,9 @@ ROLE_DRAFT = "draft"
 # Manifest "quantization" of a model quantized with ONNX Runtime's dynamic int8 (one activation
 # scale per call): fine for a draft, not for a target (see export/quantize.py).
 QUANT_DYNAMIC_INT8 = "int8-dynamic"
+QUANT_LABELS = ("none", "int8-blockwise", QUANT_DYNAMIC_INT8)  # a model's "quantization" in the manifest
+DTYPES = ("fp32", "fp16")  # a model's "dtype": activations and KV cache
+BUNDLE_FORMAT = "edgespec-bundle"  # the manifest's "format"
 
 KIND_DECODER = "decoder"  # decoder-only causal LM: one graph, past may be empty
 KIND_SEQ2SEQ = "seq2seq"  # encoder-decoder (T5): encoder, first decoder step, decoder with past

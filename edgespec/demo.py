@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import shutil
 import sys
 import time
@@ -20,7 +21,7 @@ from .report import machine_description
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="quick", help="pair preset: quick (default, minutes) or bench (about 40 minutes on 2 cores)")
+    p.add_argument("--preset", default="quick", help="pair preset: quick (default, minutes), bench (about 40 minutes on 2 cores) or tiny (seconds; a smoke test)")
     p.add_argument("--corpus", nargs="*", type=Path, default=None,
                    help="text files to train on (default: this Python's standard library source)")
     p.add_argument("--gamma", default="4", help="draft tokens per round, or 'auto' (adaptive)")
@@ -58,12 +59,17 @@ def _fmt(x: float, spec: str = ".3f") -> str:
 def run(args: argparse.Namespace) -> int:
     from .api import load
     from .bench import open_bundle
-    from .pair import train_pair
+    from .generate_cli import parse_gamma
+    from .pair import get_preset, train_pair
 
     def log(msg: str) -> None:
         print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
-    gamma = None if args.gamma in ("auto", "adaptive") else int(args.gamma)
+    # every option is checked before minutes of training
+    gamma = parse_gamma(args.gamma, "--gamma")
+    if args.repeats < 1 or args.max_new_tokens < 1 or args.threads < 0:
+        raise InvalidArgumentError("--repeats and --max-new-tokens must be >= 1, --threads >= 0 (0 = ONNX Runtime's default)")
+    get_preset(args.preset)
     t_all = time.perf_counter()
     log(f"step 1/4: the {args.preset} pair (trained once, then cached)")
     pair_dir = train_pair(args.preset, args.corpus, seed=args.seed, progress=True)
@@ -107,9 +113,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"edgespec demo: {args.preset} pair in {pair_dir}")
     print(f"machine: {mach.get('cpu_model', mach['processor'])}, {mach['cpu_count']} cores, "
           f"onnxruntime {mach.get('onnxruntime', '?')}, {args.threads} thread(s) per model")
-    print(f"target: {m.target.architecture}, {m.target.num_layers} layers, "
+    def layers(n: int) -> str:
+        return f"{n} layer" + ("s" if n != 1 else "")
+
+    print(f"target: {m.target.architecture}, {layers(m.target.num_layers)}, "
           f"{m.target.parameter_bytes.get('per_forward', 0) / 1e6:.1f} MB weights read per forward; "
-          f"draft: {m.draft.num_layers} layers, {m.draft.parameter_bytes.get('per_forward', 0) / 1e6:.1f} MB")
+          f"draft: {layers(m.draft.num_layers)}, {m.draft.parameter_bytes.get('per_forward', 0) / 1e6:.1f} MB")
     for row in rows:
         g = row["gamma"] if row["gamma"] is not None else f"auto (mean {row['mean_gamma']:.1f})"
         print(f"\n  temperature {row['temperature']:g}, gamma {g}:")
@@ -129,5 +138,6 @@ def run(args: argparse.Namespace) -> int:
                   f"{row['target_bytes_per_token_spec'] / 1e6:.2f} MB speculative "
                   f"({row['target_read_reduction']:.2f}x fewer; draft adds {row['draft_bytes_per_token_spec'] / 1e6:.2f} MB)")
     print(f"\n{hardware_counters_note()}")
-    print(f"total demo time {time.perf_counter() - t_all:.0f} s. Next: `edgespec bench {bundle}` for the full grid.")
+    print(f"total demo time {time.perf_counter() - t_all:.0f} s. Next: `edgespec bench {shlex.quote(str(bundle))}` "
+          "for the full grid.")
     return 0

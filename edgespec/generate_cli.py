@@ -103,8 +103,9 @@ def refuse_ort_flags(runtime: str, given: dict) -> None:
     """ONNX Runtime's session flags do nothing with the XLA runtime: an error, not ignored."""
     ort_only = [flag for flag, on in given.items() if on]
     if runtime == "xla" and ort_only:
-        raise InvalidArgumentError(f"{', '.join(ort_only)} configure ONNX Runtime and do nothing with --runtime xla; "
-                                   "drop them (--platform picks the XLA device)")
+        verb = ("configures", "does", "it") if len(ort_only) == 1 else ("configure", "do", "them")
+        raise InvalidArgumentError(f"{', '.join(ort_only)} {verb[0]} ONNX Runtime and {verb[1]} nothing with --runtime xla; "
+                                   f"drop {verb[2]} (--platform picks the XLA device)")
 
 
 def run(args: argparse.Namespace) -> int:

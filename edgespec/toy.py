@@ -94,6 +94,8 @@ def toy_pair(vocab_size: int = 32, order: int = 2, noise: float = 0.7, seed: int
 
 
 # ----------------------------------------------------------------------------- CLI: edgespec toy
+TOY_MAX_ENTRIES = 1 << 24   # 64 MB of float32 per model table
+TOY_MAX_TOKENS = 1_000_000
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--order", type=int, default=2, help="n-gram order of the toy models")
@@ -113,6 +115,12 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError(f"--noise must be a finite number >= 0 (0: the draft is the target); got {args.noise}")
     if args.vocab < 2 or args.order < 1:
         raise InvalidArgumentError(f"--vocab must be >= 2 and --order >= 1; got --vocab {args.vocab} --order {args.order}")
+    # the models are tables of vocab ** order logits, held in memory (twice: target and draft)
+    if args.vocab ** args.order > TOY_MAX_ENTRIES:
+        raise InvalidArgumentError(f"--vocab {args.vocab} --order {args.order} makes tables of {args.vocab ** args.order:,} "
+                                   f"logits; keep vocab ** order <= {TOY_MAX_ENTRIES:,} (e.g. --vocab 4096 --order 2)")
+    if not 1 <= args.max_new_tokens <= TOY_MAX_TOKENS:
+        raise InvalidArgumentError(f"--max-new-tokens must be in [1, {TOY_MAX_TOKENS:,}]; got {args.max_new_tokens}")
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, gamma=args.gamma,
                            max_gamma=max(8, args.gamma),
                            sampling=SamplingConfig(args.temperature, args.top_k, args.top_p))

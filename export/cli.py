@@ -81,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
                                 ("--prefill-buckets", args.prefill_buckets is not None),
                                 ("--max-source-length", args.max_source_length is not None)) if v]
         if given:
-            raise InvalidArgumentError(f"{', '.join(given)} only apply to XLA artifacts; add --format onnx+xla or drop them")
+            verb, it = ("applies", "it") if len(given) == 1 else ("apply", "them")
+            raise InvalidArgumentError(f"{', '.join(given)} only {verb} to XLA artifacts; add --format onnx+xla or drop {it}")
     else:
         try:
             import jax  # noqa: F401

@@ -81,6 +81,12 @@ def check_xla_options(checkpoint_dir: str | Path, platforms: Sequence[str] = ("c
         raise InvalidArgumentError(f"widths {widths} must contain 1 and none may exceed verify_width={verify_width}")
     if verify_width not in widths:
         widths.append(verify_width)
+    if max_source_length is not None and not spec.encoder_decoder:
+        raise InvalidArgumentError(f"max_source_length (--max-source-length) sizes a T5 encoder; {checkpoint_dir} is a "
+                                   "decoder-only model (its prompt shares max_length): drop it")
+    if prefill_buckets and spec.encoder_decoder:
+        raise InvalidArgumentError(f"prefill buckets (--prefill-buckets) are for decoder-only models; {checkpoint_dir} is "
+                                   "an encoder-decoder (its prompt goes to the encoder: --max-source-length): drop them")
     buckets: list[int] = []
     if not spec.encoder_decoder:
         buckets = sorted({_check_int("prefill bucket", b, 1) for b in (prefill_buckets or _default_buckets(max_length))})

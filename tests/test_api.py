@@ -178,14 +178,23 @@ def test_bad_inputs(engines):
     with pytest.raises(PromptTooLongError, match="at most 29"):
         eng.generate([4] * 100, max_new_tokens=40)
     for kwargs in ({"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}, {"gamma": 0}, {"seed": -1},
-                   {"max_new_tokens": 0}, {"lenience": 2.0}):
+                   {"max_new_tokens": 0}, {"lenience": 2.0}, {"stop_token_ids": 5}, {"stop_token_ids": None},
+                   {"use_draft": "no"}, {"stream": "yes"}):
         with pytest.raises(InvalidArgumentError):
             eng.generate(PROMPT, **kwargs)
+    # text that is not valid Unicode (a shell's $'\xff' arrives as a lone surrogate)
+    with pytest.raises(InvalidArgumentError, match="not valid Unicode text"):
+        eng.generate("the \udcff fox")
+    with pytest.raises(InvalidArgumentError, match="takes text"):
+        eng.encode(b"the fox")
 
 
 def test_load_errors(tmp_path, bundle_copy, tiny_bundle):
     with pytest.raises(BundleError, match="does not exist"):
         load(tmp_path / "nope")
+    for bad in (None, 5, b"bundle", ""):
+        with pytest.raises(InvalidArgumentError, match="load takes the bundle's folder"):
+            load(bad)
     with pytest.raises(ProviderError, match="available"):
         load(tiny_bundle("gpt2"), providers=["cuda"])
     with pytest.raises(ProviderError, match="available"):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from edgespec.cli import main
+from edgespec.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.slow
 
@@ -158,6 +159,47 @@ def test_bench_bad_input(tiny_bundle, tmp_path, capsys):
     assert main(["bench", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "--gammas" in err and "Traceback" not in err
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"the fox \xff\xfe\n---\none two\n")
+    for extra, needle in ((["--prompts", str(latin)], "is not UTF-8 text"), (["--gammas", ""], "--gammas is empty"),
+                          (["--temperatures", " , "], "--temperatures is empty"),
+                          (["--gammas", "1,2,1"], "lists a value twice")):
+        assert main(["bench", str(tiny_bundle("llama")), "--repeats", "1", *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, (extra, err)
+
+
+def test_bench_prompt_file_separators(tmp_path):
+    from edgespec.bench import read_prompts
+
+    f = tmp_path / "p.txt"
+    for text, prompts in (("---\nfoo\n---\nbar", ["foo", "bar"]), ("foo\n  ---  \nbar\n---", ["foo", "bar"]),
+                          ("a\n\nb\n---\n\nc\n", ["a\n\nb", "c"]), ("only one", ["only one"])):
+        f.write_text(text)
+        assert read_prompts(f) == prompts, text
+    for text in ("---\n---\n", "", "\n\n"):
+        f.write_text(text)
+        with pytest.raises(InvalidArgumentError, match="holds no prompt"):
+            read_prompts(f)
+
+
+def test_demo_checks_its_options_before_training(monkeypatch, capsys):
+    import edgespec.pair
+
+    monkeypatch.setattr(edgespec.pair, "train_pair", lambda *a, **k: pytest.fail("trained before checking the options"))
+    for extra, needle in ((["--gamma", "foo"], "--gamma"), (["--gamma", "0"], "--gamma"), (["--repeats", "0"], "--repeats"),
+                          (["--preset", "bogus"], "unknown preset 'bogus'")):
+        assert main(["demo", *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and "step 1/4" not in err, (extra, err)
+
+
+def test_toy_refuses_tables_too_large_for_memory(capsys):
+    for extra, needle in ((["--vocab", "100000", "--order", "3"], "keep vocab ** order"),
+                          (["--max-new-tokens", "100000000000"], "--max-new-tokens must be in")):
+        assert main(["toy", *extra]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err
 
 
 def test_adaptive_bound_replays_a_greedy_trace(tiny_checkpoints, tmp_path):

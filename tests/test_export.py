@@ -188,7 +188,7 @@ def test_unwritable_output_and_xla_flags(tiny_checkpoints, tmp_path, monkeypatch
 
     target, _ = tiny_checkpoints("gpt2")
     _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o"), "--max-length", "64"], capsys,
-               "--max-length only apply to XLA artifacts")
+               "--max-length only applies to XLA artifacts; add --format onnx+xla or drop it")
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
     _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o" / "b")], capsys, "is not a writable folder")

@@ -209,8 +209,10 @@ def test_second_stream_in_the_same_thread_supersedes_the_first(engine, tiny_bund
         next(first)
     assert engine.generate(PROMPT, seed=1, **KW).ids == ref[1]
     second = engine.generate(PROMPT, seed=2, stream=True, **KW)
-    with pytest.raises(Exception, match="iterated only once"):
-        list(second), list(second)
+    it = iter(second)
+    head = next(it)
+    assert [head, *second] == list(engine.generate(PROMPT, seed=2, stream=True, **KW))  # goes on where it stopped
+    assert list(second) == [] and second.result.ids == ref[2]
     # engine.close() in the same thread supersedes an open stream too, and a stream closed early
     # says it has no result (not "iterate to the end", which it can no longer do)
     third = iter(engine.generate(PROMPT, seed=1, stream=True, **KW))
@@ -223,6 +225,8 @@ def test_second_stream_in_the_same_thread_supersedes_the_first(engine, tiny_bund
         break
     with pytest.raises(InvalidArgumentError, match="closed before it finished"):
         fourth.result
+    with pytest.raises(InvalidArgumentError, match="closed before it finished, so it cannot be iterated again"):
+        iter(fourth)
 
 
 def test_busy_timeout_refuses_clearly(engine, tiny_bundle):
@@ -308,3 +312,23 @@ def test_keyboard_interrupt_in_cli_generate(tiny_bundle, monkeypatch, capsys):
     assert main(["generate", str(tiny_bundle("gpt2")), "--prompt", "x"]) == 130
     err = capsys.readouterr().err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_a_signal_dropped_inside_a_gc_callback_still_stops_the_command():
+    """Python prints and drops an exception raised in a __del__ or gc callback (JAX's, during an
+    XLA export): a Ctrl-C or SIGTERM landing there used to be lost and the export ran to the end.
+    run_script sends the signal again, so the command still ends with 130 / 143."""
+    code = (
+        "import time\n"
+        "from edgespec.cli import run_script, _Terminated\n"
+        "class Boom:\n"
+        "    def __init__(self, exc): self.exc = exc\n"
+        "    def __del__(self): raise self.exc()\n"
+        "def main(exc):\n"
+        "    b = Boom(exc); del b\n"
+        "    for _ in range(200): time.sleep(0.01)\n"
+        "    return 0\n"
+        "print(run_script(lambda: main(KeyboardInterrupt), 'x'), run_script(lambda: main(_Terminated), 'x'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["130", "143"], proc.stdout + proc.stderr
+    assert "x: interrupted" in proc.stderr and "x: terminated" in proc.stderr and "Traceback" not in proc.stderr

@@ -384,6 +384,15 @@ def test_draft_with_a_different_tokenizer_in_the_bundle(bundle_copy, capsys):
     (lambda d: d.update(models=[]), "'models' must be an object"),
     (lambda d: d.update(schema_version="1"), "schema version '1' is not supported"),
     (lambda d: d.update(shared_vocab_size=0), "shared_vocab_size"),
+    (lambda d: d["models"]["target"].pop("parameter_bytes"), "model 'target' lacks parameter_bytes"),
+    (lambda d: d["models"]["target"].update(colour="red"), "has unknown fields colour"),
+    (lambda d: d.pop("shared_vocab_size"), "it lacks shared_vocab_size"),
+    (lambda d: d["models"]["target"].update(kind="bogus"), "target.kind must be one of"),
+    (lambda d: d["models"]["target"].update(quantization="int3"), "target.quantization one of"),
+    (lambda d: d["models"]["target"].update(dtype="fp8"), "target.dtype must be one of"),
+    (lambda d: d["models"]["target"].update(eos_token_ids=[999]), "special token ids beyond its"),
+    (lambda d: d.update(format="other"), "format is 'other'"),
+    (lambda d: d["models"]["target"].update(tokenizer_size=500), "tokenizer has 500 ids"),
 ])
 def test_manifest_fields_are_validated(bundle_copy, capsys, mutate, needle):
     b = bundle_copy()

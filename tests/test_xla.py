@@ -96,12 +96,17 @@ def hf_models(checkpoints):
     return out
 
 
+def prompt_sizes(arch: str, buckets=(16,), max_source_length=None) -> dict:
+    """Decoder-only models take prefill buckets, T5 an encoder length (either for the other is an error)."""
+    return {"max_source_length": max_source_length or MAX_SRC} if arch.startswith("t5") else {"prefill_buckets": buckets}
+
+
 @pytest.fixture(scope="module")
 def exported(root, checkpoints) -> dict[str, Path]:
     out = {}
     for name, path in checkpoints.items():
         export_xla(path, root / f"bundle-{name}", platforms=("cpu",), max_length=MAX_LEN, verify_width=VERIFY,
-                   widths=WIDTHS, prefill_buckets=BUCKETS, max_source_length=MAX_SRC)
+                   widths=WIDTHS, **prompt_sizes(name, BUCKETS))
         out[name] = root / f"bundle-{name}"
     return out
 
@@ -211,15 +216,15 @@ def test_export_refuses_artifacts_that_differ_from_torch(name, root, checkpoints
     monkeypatch.setattr(xm, "load_model", misread)
     out = root / f"mutant-{name}"
     with pytest.raises(ValidationError, match="differ from PyTorch.*raise --atol.*without --format onnx[+]xla"):
-        export_xla(checkpoints[name], out, max_length=16, verify_width=4, prefill_buckets=(16,), max_source_length=8)
+        export_xla(checkpoints[name], out, max_length=16, verify_width=4, **prompt_sizes(name, (16,), 8))
     assert not out.exists()  # the folder it made is gone too
     # --overwrite over a good export: the failed one leaves the good one as it was
     monkeypatch.setattr(xm, "load_model", real)
-    export_xla(checkpoints[name], out, max_length=16, verify_width=4, prefill_buckets=(16,), max_source_length=8)
+    export_xla(checkpoints[name], out, max_length=16, verify_width=4, **prompt_sizes(name, (16,), 8))
     before = (out / "xla" / "xla.json").read_text()
     monkeypatch.setattr(xm, "load_model", misread)
     with pytest.raises(ValidationError):
-        export_xla(checkpoints[name], out, max_length=16, verify_width=4, prefill_buckets=(16,), max_source_length=8,
+        export_xla(checkpoints[name], out, max_length=16, verify_width=4, **prompt_sizes(name, (16,), 8),
                    overwrite=True)
     assert (out / "xla" / "xla.json").read_text() == before
     assert [p.name for p in out.iterdir()] == ["xla"]  # no partial or old folder left beside it
@@ -364,7 +369,7 @@ def test_speculative_greedy_over_xla_equals_hf_generate(arch, root, hf_models):
     bes = []
     for ckpt in (target_ckpt, draft_ckpt):
         export_xla(ckpt, ckpt.parent / f"{ckpt.name}-xla", max_length=MAX_LEN, verify_width=VERIFY, widths=WIDTHS,
-                   prefill_buckets=(16,), max_source_length=MAX_SRC)
+                   **prompt_sizes(arch))
         bes.append(XlaBackend.from_dir(ckpt.parent / f"{ckpt.name}-xla"))
     cls = AutoModelForSeq2SeqLM if arch == "t5" else AutoModelForCausalLM
     model = cls.from_pretrained(str(target_ckpt)).eval()

@@ -75,19 +75,25 @@ def test_generate_cli_xla_and_missing_artifacts(xla_bundle, tiny_bundle, capsys)
     for flags in (["--provider", "cuda"], ["--threads", "1"], ["--draft-threads", "2"], ["--no-spin"]):
         assert main(["generate", str(xla_bundle("gpt2")), "--prompt", "the cat", "--runtime", "xla", *flags]) == 2
         err = capsys.readouterr().err
-        assert f"{flags[0]} configure ONNX Runtime and do nothing with --runtime xla" in err, err
+        assert f"{flags[0]} configures ONNX Runtime and does nothing with --runtime xla; drop it" in err, err
     from edgespec.errors import InvalidArgumentError
 
     with pytest.raises(InvalidArgumentError, match="platform="):
         load(xla_bundle("gpt2"), runtime="xla", providers="cuda")
 
 
-def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys):
+def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys, monkeypatch):
     """Adaptive gamma stays within the artifacts' verify width (6 here: gamma <= 5, below the default
-    bound of 8); a static gamma beyond it is refused before any measurement, as generate does."""
+    bound of 8); a static gamma beyond it is refused before any measurement, as generate does.
+    Every artifact is compiled before the timed runs (a first call compiles, ~0.4 s a width)."""
+    from edgespec.runtimes.xla_backend import XlaBackend
+
+    warmed, real_warmup = [], XlaBackend.warmup
+    monkeypatch.setattr(XlaBackend, "warmup", lambda self: (warmed.append(self), real_warmup(self))[1])
     argv = ["bench", str(xla_bundle("llama")), "--runtime", "xla", "--temperatures", "0", "--repeats", "1",
             "--max-new-tokens", "24", "--quiet"]
     assert main(argv + ["--gammas", "2,auto", "--out", str(tmp_path)]) == 0
+    assert len(warmed) == 2  # target and draft
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["verify_width"] == 6 and data["jax"]
     auto = next(r for r in data["results"] if r["gamma"] is None)
@@ -115,7 +121,8 @@ def test_xla_options_are_checked_before_the_onnx_work(tiny_checkpoints, tmp_path
     base = ["export", "--target", str(t), "--draft", str(d), "--out", str(tmp_path / "b"), "--format", "onnx+xla"]
     for extra, words in ((["--verify-width", "0"], "verify_width"), (["--max-length", "100000"], "positions"),
                          (["--platforms", "cpu,foo"], "foo"), (["--prefill-buckets", "0"], "prefill bucket"),
-                         (["--atol", "inf"], "atol"), (["--quantize", "int8"], "two different targets")):
+                         (["--atol", "inf"], "atol"), (["--quantize", "int8"], "two different targets"),
+                         (["--max-source-length", "16"], "sizes a T5 encoder")):
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err
         assert words in err and "Traceback" not in err, (extra, err)
@@ -146,6 +153,28 @@ def test_standalone_xla_export_output_paths(tiny_checkpoints, tmp_path, capsys):
     assert xla_main([str(t), "/proc/edgespec-no", "--max-length", "16"]) == 2
     err = capsys.readouterr().err
     assert "cannot write" in err and "Traceback" not in err
+
+
+def test_xla_logits_must_match_the_manifest_vocab(xla_bundle, tmp_path):
+    """A manifest edited to a smaller vocab_size would make the XLA path sample from fewer ids
+    (the ONNX path checks its logits' shape against it): both refuse the bundle."""
+    import shutil
+
+    from edgespec.errors import BundleError
+
+    b = tmp_path / "b"
+    shutil.copytree(xla_bundle("llama"), b)
+    data = json.loads((b / "edgespec.json").read_text())
+    data["models"]["target"]["vocab_size"] = data["models"]["target"]["tokenizer_size"] = 10
+    (b / "edgespec.json").write_text(json.dumps(data))
+    with pytest.raises(BundleError):   # the tokenizer has more ids than 10
+        load(b, runtime="xla")
+    data["models"]["target"]["tokenizer_size"] = json.loads((xla_bundle("llama") / "edgespec.json").read_text())[
+        "models"]["target"]["tokenizer_size"]
+    data["models"]["target"]["vocab_size"] += 1
+    (b / "edgespec.json").write_text(json.dumps(data))
+    with pytest.raises(BundleError, match="XLA artifacts give .* logits per position, the manifest says vocab_size"):
+        load(b, runtime="xla")
 
 
 def test_standalone_reexport_updates_the_bundle_summary(xla_bundle, tiny_checkpoints, tmp_path, capsys):
