@@ -59,6 +59,7 @@ def test_contradictory_flags(tiny_bundle, capsys):
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--gamma", "4"], capsys, "--gamma has no effect")
     _fails(["generate", b, "--prompt", "x", "--platform", "tpu"], capsys, "--runtime xla")
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--lenience", "0.5"], capsys, "--lenience has no effect")
+    _fails(["generate", b, "--prompt", "x", "--json", "--show-drafts"], capsys, "drop --show-drafts or --json")
     _fails(["generate", b, "--prompt", "x", "--lenience", "0"], capsys, "lenience must be in (0, 1]")
 
 
@@ -191,3 +192,18 @@ def test_show_drafts_marks_whitespace_tokens_visibly():
 
     out = render_marked(Indent(), [1, 2, 3], ["target", "accepted", "target"], color=False)
     assert out == "a[\\n\\n    ]\n\n    b"   # both line breaks and the indent survive the marking
+
+
+def test_gamma_on_a_single_model_bundle_is_an_error(bundle_copy, capsys):
+    """Without a draft model, --gamma would silently mean plain decoding; --draft ngram uses it."""
+    import shutil
+
+    b = bundle_copy()
+    data = json.loads((b / contract.MANIFEST_NAME).read_text())
+    del data["models"]["draft"]
+    (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
+    shutil.rmtree(b / "draft")
+    argv = ["generate", str(b), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "4"]
+    _fails(argv + ["--gamma", "3"], capsys, "has no draft model, so --gamma has no effect")
+    assert main(argv + ["--gamma", "3", "--draft", "ngram"]) == 0
+    assert main(argv) == 0
