@@ -73,6 +73,48 @@ def _device_for(platform: str):
     return None
 
 
+def _check_fields(manifest: Any, mpath: Path) -> None:
+    """The xla.json fields the backend reads, with their types (a BundleError naming the field)."""
+    def bad(what: str) -> BundleError:
+        return BundleError(f"{mpath}: {what}; re-export the model")
+
+    if not isinstance(manifest, dict):
+        raise bad("the manifest is not a JSON object")
+    ints = ["vocab_size", "max_length", "verify_width"] + (["max_source_length"] if manifest.get("encoder_decoder") else [])
+    for name in ints:
+        v = manifest.get(name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise bad(f"{name} must be a positive integer, got {v!r:.40}")
+    if not isinstance(manifest.get("model_type"), str) or not isinstance(manifest.get("encoder_decoder"), bool):
+        raise bad("model_type (a string) and encoder_decoder (true/false) are required")
+    arts = manifest.get("artifacts")
+    if not isinstance(arts, dict) or not all(
+            isinstance(entries, dict) and all(isinstance(k, str) and k.isdigit() and isinstance(e, dict)
+                                              and isinstance(e.get("file"), str) for k, e in entries.items())
+            for entries in arts.values()):
+        raise bad("artifacts must map kind -> {size: {file, sha256}}")
+    w = manifest.get("weights", {})
+    if not isinstance(w, dict) or not isinstance(w.get("tensors", {}), dict) or not w.get("tensors"):
+        raise bad("weights.tensors must name the weight tensors and their shapes")
+
+
+def _check_signature(kind: str, size: int, exp, manifest: dict, path: Path) -> None:
+    """An artifact's own shapes must be what xla.json says (the manifest has no checksum of its own):
+    ids [size] in, logits [..., vocab_size] out, a KV buffer of max_length positions."""
+    got = {"ids": exp.in_avals[-2].shape, "kv": exp.out_avals[-1].shape}
+    ok = got["ids"] == (size,) and len(got["kv"]) == 5 and got["kv"][3] == manifest["max_length"]
+    if kind in ("extend", "prefill"):
+        got["logits"] = exp.out_avals[0].shape
+        ok = ok and got["logits"][-1] == manifest["vocab_size"]
+    if kind == "encode":
+        got["cross_kv"] = exp.out_avals[0].shape
+        ok = ok and len(got["cross_kv"]) == 5 and got["cross_kv"][3] == manifest["max_source_length"]
+    if not ok:
+        raise BundleError(f"{path.name} has shapes {got}, which do not match xla.json (vocab_size "
+                          f"{manifest['vocab_size']}, max_length {manifest['max_length']}, size {size}): the manifest "
+                          "was edited or the files mixed; re-export the model")
+
+
 class XlaBackend:
     """One model (GPT-2, Llama, T5) and its static KV buffers for one sequence (batch 1).
 
@@ -139,6 +181,7 @@ class XlaBackend:
         if manifest.get("format_version") != FORMAT_VERSION:
             raise BundleError(f"{mpath} has format_version {manifest.get('format_version')!r}; this edgespec reads "
                               f"version {FORMAT_VERSION}; re-export the model with this edgespec")
+        _check_fields(manifest, mpath)
         made_by = manifest.get("jax_version", "unknown")
         art_platforms = [str(p) for p in manifest.get("platforms", [])]
 
@@ -193,6 +236,7 @@ class XlaBackend:
                 if platform not in exp.platforms:
                     raise ProviderError(f"{path.name} was lowered for {list(exp.platforms)}, not {platform!r}; re-export "
                                         f"with --platforms {platform}")
+                _check_signature(kind, int(size), exp, manifest, path)
                 exported.setdefault(kind, {})[int(size)] = exp
         if not exported.get("extend") or 1 not in exported["extend"]:
             raise BundleError(f"{mpath} lists no width-1 extend artifact; re-export the model")

@@ -150,15 +150,18 @@ def spec_from_config(cfg: dict[str, Any]) -> ModelSpec:
     mt = cfg.get("model_type")
     specials = {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")}
     if mt == "gpt2":
-        if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn"):
+        if cfg.get("scale_attn_by_inverse_layer_idx") or cfg.get("reorder_and_upcast_attn") \
+                or cfg.get("scale_attn_weights") is False:
             raise UnsupportedArchitectureError(
-                "GPT-2 with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn is not supported by the XLA path")
+                "GPT-2 with scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn or scale_attn_weights=false is not "
+                "supported by the XLA path (transformers' attention implementations disagree on the last); export "
+                "it to ONNX only")
         d, h = cfg["n_embd"], cfg["n_head"]
         return ModelSpec(
             model_type="gpt2", encoder_decoder=False, vocab_size=cfg["vocab_size"], d_model=d,
             n_layers=cfg["n_layer"], n_heads=h, kv_heads=h, head_dim=d // h, eps=cfg.get("layer_norm_epsilon", 1e-5),
             act=cfg.get("activation_function", "gelu_new"), max_positions=cfg.get("n_positions", 1024),
-            tied=True, special_tokens=specials)
+            tied=bool(cfg.get("tie_word_embeddings", True)), special_tokens=specials)
     if mt == "llama":
         h = cfg["num_attention_heads"]
         return ModelSpec(
@@ -193,7 +196,7 @@ def param_names(spec: ModelSpec) -> list[str]:
     """The tensors the JAX functions read, by (normalized) Hugging Face name."""
     n: list[str] = []
     if spec.model_type == "gpt2":
-        n += ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"]
+        n += ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"] + ([] if spec.tied else ["lm_head.weight"])
         for i in range(spec.n_layers):
             p = f"h.{i}."
             for m in ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
@@ -237,6 +240,9 @@ def select_params(spec: ModelSpec, tensors: dict[str, np.ndarray]) -> dict[str, 
     t = dict(tensors)
     if spec.model_type == "gpt2":
         t = {(k[len("transformer."):] if k.startswith("transformer.") else k): v for k, v in t.items()}
+    if spec.model_type == "gpt2" and not spec.tied and "lm_head.weight" not in t:
+        raise CheckpointError("the checkpoint has no lm_head.weight but tie_word_embeddings is false; "
+                              "re-save the model with save_pretrained()")
     if spec.model_type == "llama" and "lm_head.weight" not in t and "model.embed_tokens.weight" in t:
         if not spec.tied:
             raise CheckpointError("the checkpoint has no lm_head.weight but tie_word_embeddings is false; "
@@ -256,7 +262,7 @@ def select_params(spec: ModelSpec, tensors: dict[str, np.ndarray]) -> dict[str, 
 
 
 def output_vocab(spec: ModelSpec, params: dict[str, Any]) -> int:
-    key = {"gpt2": "wte.weight", "llama": "lm_head.weight"}.get(spec.model_type)
+    key = {"gpt2": "wte.weight" if spec.tied else "lm_head.weight", "llama": "lm_head.weight"}.get(spec.model_type)
     if key is None:
         key = "shared.weight" if spec.tied else "lm_head.weight"
     return int(params[key].shape[0])
@@ -390,7 +396,7 @@ def gpt2_step(spec: ModelSpec, p, kv, ids, pos):
         h = act(_mm(h, p[pre + "mlp.c_fc.weight"]) + p[pre + "mlp.c_fc.bias"])
         x = x + _mm(h, p[pre + "mlp.c_proj.weight"]) + p[pre + "mlp.c_proj.bias"]
     x = _layer_norm(x, p["ln_f.weight"], p["ln_f.bias"], spec.eps)
-    return _mm(x, p["wte.weight"].T), (K, V)
+    return _mm(x, (p["wte.weight"] if spec.tied else p["lm_head.weight"]).T), (K, V)
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ VERIFY = 4
 WIDTHS = (1, 2, 4)        # width 3 runs the width-4 artifact, padded
 BUCKETS = (8, 32)         # prompts of 33..40 tokens: bucket 32, then chunked extends
 MAX_SRC = 16
-ARCHS = ["gpt2", "llama", "llama_tied", "t5", "t5_v11"]
+ARCHS = ["gpt2", "gpt2_untied", "llama", "llama_tied", "t5", "t5_v11"]
 MAX_DIFF: dict[str, float] = {}
 
 
@@ -51,6 +51,19 @@ def _make_llama_tied(folder: Path) -> Path:
                       bos_token_id=3, eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
                       rope_theta=500.0)
     m = LlamaForCausalLM(cfg).eval()
+    m.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def _make_gpt2_untied(folder: Path) -> Path:
+    """GPT-2 with its own output layer (tie_word_embeddings=false; the XLA path once always used wte)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(5)
+    cfg = GPT2Config(vocab_size=96, n_positions=128, n_embd=32, n_layer=2, n_head=2, bos_token_id=3, eos_token_id=1,
+                     pad_token_id=0, tie_word_embeddings=False)
+    m = GPT2LMHeadModel(cfg).eval()
+    assert m.lm_head.weight.data_ptr() != m.transformer.wte.weight.data_ptr()
     m.save_pretrained(str(folder), safe_serialization=True)
     return folder
 
@@ -79,6 +92,7 @@ def checkpoints(root) -> dict[str, Path]:
     return {
         "gpt2": make_gpt2(root / "gpt2", seed=1),
         "llama": make_llama(root / "llama", seed=1),
+        "gpt2_untied": _make_gpt2_untied(root / "gpt2_untied"),
         "llama_tied": _make_llama_tied(root / "llama_tied"),
         "t5": make_t5(root / "t5", seed=1),
         "t5_v11": _make_t5_v11(root / "t5_v11"),
@@ -518,6 +532,26 @@ def test_missing_and_unsafe_bundles(root, exported):
     m["artifacts"]["extend"]["1"]["file"] = "../../etc/passwd"
     mpath.write_text(json.dumps(m))
     with pytest.raises(BundleError, match="outside"):
+        XlaBackend.from_dir(bad)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda m: m.pop("vocab_size"), "vocab_size must be a positive integer"),
+    (lambda m: m.update(max_length="abc"), "max_length must be a positive integer"),
+    (lambda m: m.update(artifacts=[]), "artifacts must map kind"),
+    (lambda m: m["weights"].update(tensors={}), "weights.tensors"),
+    (lambda m: m.update(max_length=m["max_length"] + 60), "do not match xla.json"),   # writes would clamp silently
+    (lambda m: m.update(vocab_size=50), "do not match xla.json"),
+])
+def test_xla_manifest_is_checked_against_its_artifacts(tmp_path, exported, edit, needle):
+    """xla.json has no checksum of its own: its fields are type-checked and compared with the
+    artifacts' own shapes (an edited max_length let extends run past the buffer, clamped)."""
+    bad = _copy(exported["gpt2"], tmp_path / "edited")
+    mpath = bad / "xla" / "xla.json"
+    m = json.loads(mpath.read_text())
+    edit(m)
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(BundleError, match=needle):
         XlaBackend.from_dir(bad)
 
 
