@@ -121,7 +121,9 @@ def load_documents(paths: Sequence[os.PathLike | str] | None = None) -> Corpus:
     for d, h in zip(docs, hashes):
         digest.update(len(d.encode("utf-8")).to_bytes(8, "little"))
         digest.update(h)
-    if len(docs) == 1:
+    keys = [int.from_bytes(h[:8], "little") for h in hashes]
+    rule = f"sha256(file content) % {HELDOUT_ONE_IN} == 0"
+    if len(set(keys)) == 1:  # one document, or copies of one: split its lines
         text = docs[0]
         cut = text.rfind("\n", 0, int(len(text) * 0.95))
         if cut <= 0 or cut >= len(text) - 1:
@@ -129,13 +131,17 @@ def load_documents(paths: Sequence[os.PathLike | str] | None = None) -> Corpus:
         if cut <= 0 or cut >= len(text):
             raise TrainingError("the corpus is too small to split off held-out text; pass more text with --corpus")
         train, held = [text[:cut + 1]], [text[cut + 1:]]
+        rule = "the last 5% of the text (one distinct document)"
     else:
-        keys = [int.from_bytes(h[:8], "little") for h in hashes]
+        # By content: identical files always land on the same side (a copy of a held-out file in
+        # the training set would make held-out loss and alpha optimistic).
         is_held = [k % HELDOUT_ONE_IN == 0 for k in keys]
         if not any(is_held):
-            is_held[min(range(len(docs)), key=lambda i: keys[i])] = True
+            is_held = [k == min(keys) for k in keys]
+            rule = "the file(s) with the smallest sha256 (no file met sha256 % 20 == 0)"
         if all(is_held):
-            is_held[max(range(len(docs)), key=lambda i: keys[i])] = False
+            is_held = [k != max(keys) for k in keys]
+            rule += "; the file(s) with the largest sha256 kept for training"
         train = [d for d, h in zip(docs, is_held) if not h]
         held = [d for d, h in zip(docs, is_held) if h]
     description = {
@@ -149,7 +155,7 @@ def load_documents(paths: Sequence[os.PathLike | str] | None = None) -> Corpus:
         "train_bytes": sum(len(d.encode("utf-8")) for d in train),
         "heldout_files": len(held),
         "heldout_bytes": sum(len(d.encode("utf-8")) for d in held),
-        "heldout_rule": f"sha256(file content) % {HELDOUT_ONE_IN} == 0",
+        "heldout_rule": rule,
     }
     return Corpus(tuple(train), tuple(held), description)
 

@@ -560,7 +560,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generated", type=float, default=0.0,
                         help="fraction of each batch taken from the target's own continuations of corpus prefixes, "
                              "half greedy, half sampled (on-policy distillation; default 0)")
-    parser.add_argument("--pool-size", type=int, default=512,
+    parser.add_argument("--pool-size", type=int, default=None,
                         help="how many target continuations --generated draws from (default 512)")
     parser.add_argument("--init", type=Path, default=None,
                         help="start from this draft checkpoint instead of random weights (its shape; --layers N "
@@ -574,10 +574,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pool_size is not None and not args.generated:
+        raise InvalidArgumentError("--pool-size sizes the target's continuations that --generated mixes in; "
+                                   "add --generated FRACTION or drop --pool-size")
     r = distill(args.target, args.out, size=args.size, layers=args.layers, hidden=args.hidden, heads=args.heads,
                 intermediate=args.intermediate, corpus=args.corpus, steps=args.steps, batch_size=args.batch_size,
                 context=args.context, lr=args.lr, mode=args.mode, generated=args.generated,
-                pool_size=args.pool_size, init=args.init,
+                pool_size=512 if args.pool_size is None else args.pool_size, init=args.init,
                 baseline=args.baseline, eval_windows=args.eval_windows, seed=args.seed, overwrite=args.overwrite,
                 progress=not args.no_progress)
     print(f"draft: {args.out} ({r['draft_params'] / 1e6:.2f}M params, {r['steps']} steps, mode {r['mode']})")

@@ -601,6 +601,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.overwrite and args.out is None:
+        raise InvalidArgumentError("--overwrite replaces an --out folder; the cached pair (no --out) is reused while it "
+                                   "matches the recipe: add --out FOLDER, or delete the cached pair to retrain it")
     path = train_pair(args.preset, args.corpus, args.out, seed=args.seed,
                       progress=not (args.no_progress or args.print_path), overwrite=args.overwrite)
     if args.print_path:

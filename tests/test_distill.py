@@ -193,6 +193,12 @@ def test_bad_targets(target, corpus, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_pool_size_without_generated_is_an_error(target, tmp_path, capsys):
+    assert main(["distill", "--target", str(target), "--out", str(tmp_path / "d"), "--pool-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "add --generated FRACTION or drop --pool-size" in err and not (tmp_path / "d").exists()
+
+
 def test_bad_sizes():
     with pytest.raises(InvalidArgumentError, match="divide"):
         resolve_size(None, hidden=30, heads=4)

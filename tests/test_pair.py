@@ -144,6 +144,11 @@ def test_output_exists_and_overwrite(pair, corpus, tmp_path):
     assert (out / "pair.json").is_file()
 
 
+def test_overwrite_without_out_is_an_error(capsys):
+    assert main(["train-pair", "--preset", "tiny", "--overwrite"]) == 2   # it would reuse the cached pair silently
+    assert "--overwrite replaces an --out folder" in capsys.readouterr().err
+
+
 def test_bad_corpus(tmp_path):
     with pytest.raises(TrainingError, match="does not exist"):
         train_pair("tiny", [tmp_path / "missing.txt"], tmp_path / "o", progress=False)
@@ -197,6 +202,28 @@ def test_single_file_corpus_split(tmp_path):
     c = load_documents([f])
     assert len(c.train_docs) == 1 and len(c.heldout_docs) == 1
     assert c.train_docs[0] + c.heldout_docs[0] == f.read_text()
+
+
+def test_copies_of_a_file_stay_on_one_side_of_the_split(tmp_path):
+    """A held-out file's copy in the training set would leak held-out text (optimistic loss and alpha)."""
+    for trial in range(6):   # small corpora: no file meets the % 20 rule, so the split is forced
+        folder = tmp_path / f"c{trial}"
+        folder.mkdir()
+        texts = [f"def f{trial}_{i}(x):\n    return x + {i}\n" * 20 for i in range(3)]
+        for i, t in enumerate(texts):
+            (folder / f"m{i}.py").write_text(t)
+        for i in range(3):
+            (folder / f"m{i}_copy.py").write_text(texts[i])
+        c = load_documents(sorted(folder.iterdir()))
+        assert c.heldout_docs and c.train_docs
+        assert not set(c.heldout_docs) & set(c.train_docs), trial
+        assert "smallest sha256" in c.description["heldout_rule"] or "% 20" in c.description["heldout_rule"]
+    same = tmp_path / "same"
+    same.mkdir()
+    for i in range(3):
+        (same / f"s{i}.txt").write_text("".join(f"line {j}\n" for j in range(200)))
+    c = load_documents(sorted(same.iterdir()))   # only copies of one file: its lines are split
+    assert len(c.train_docs) == 1 and len(c.heldout_docs) == 1 and "5%" in c.description["heldout_rule"]
 
 
 def test_presets_are_sized_as_documented():
