@@ -530,7 +530,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                 shutil.copyfile(target_dir / name, tmp / name)
         _write_json_atomic(report, tmp / "distill.json")
         usual_permissions(tmp, recursive=True)  # safetensors writes the weights 0600
-        swap_into_place(tmp, out_dir)
+        swap_into_place(tmp, out_dir, overwrite, "distill.json", "a distilled draft")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

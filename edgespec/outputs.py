@@ -1,6 +1,7 @@
 """Output folders and files: may a command write or replace them, and with which permissions."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -34,16 +35,36 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out") -
             f"{what}: choose another {flag} or empty the folder yourself")
 
 
-def swap_into_place(new: Path, dest: Path) -> None:
-    """Rename the finished folder ``new`` to ``dest``; an existing ``dest`` (``--overwrite``) is
-    moved aside first and removed after, so ``dest`` is never a half-replaced mix."""
-    if dest.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-        os.replace(dest, old / dest.name)
+def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out") -> None:
+    """Rename the finished folder ``new`` to ``dest``. The rules checked before the work are
+    checked again here, at the rename (``dest`` may have changed meanwhile: another run writing the
+    same output, a user's file): nothing there (or an empty folder) is an atomic rename that fails
+    if anything appeared; an existing output is replaced only with ``overwrite`` and only if it is
+    still ``what`` (holds ``marker``). It is moved aside first and removed after, so ``dest`` is
+    never a half-replaced mix; if the second rename fails or is interrupted, it is put back."""
+    if not os.path.lexists(dest) or (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())):
+        try:
+            os.rename(new, dest)  # onto nothing or an empty folder; a non-empty folder or a file fails
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            raise OutputExistsError(f"{flag} {str(dest)!r} was written by something else while this command ran "
+                                    f"(another run with the same {flag}?); nothing was replaced: choose another "
+                                    f"{flag} and run again") from None
+        return
+    if not overwrite:
+        raise OutputExistsError(f"{flag} {str(dest)!r} appeared while this command ran (another run with the same "
+                                f"{flag}?); nothing was replaced: choose another {flag} or pass --overwrite")
+    check_replaceable(dest, marker, what, flag)
+    old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+    os.replace(dest, old / dest.name)
+    try:
         os.replace(new, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(new, dest)
+    except BaseException:  # an error or Ctrl-C between the two renames: the previous output goes back
+        os.replace(old / dest.name, dest)
+        os.rmdir(old)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def check_writable(dest: Path, flag: str = "--out") -> None:

@@ -446,7 +446,7 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
     created = not work.exists()
     work.mkdir(parents=True, exist_ok=True)
     try:
-        return _train_pair_locked(p, c, dest, work, ident, seed, progress, callback, t_start)
+        return _train_pair_locked(p, c, dest, work, ident, seed, progress, callback, t_start, overwrite)
     except EdgeSpecError:
         # a bad input found before any training state was saved: leave nothing behind
         if created and work.is_dir() and not any(work.glob("*.state.pt")) and not any(work.glob("*/config.json")):
@@ -455,7 +455,7 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
 
 
 def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, seed: int, progress: bool,
-                       callback, t_start: float) -> Path:
+                       callback, t_start: float, overwrite: bool = False) -> Path:
     import numpy as np
     import torch
 
@@ -553,7 +553,7 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
         _write_json_atomic(meta, work / "pair.json")
         (work / ".lock").unlink(missing_ok=True)
         usual_permissions(work, recursive=True)  # safetensors writes the weights 0600
-        swap_into_place(work, dest)  # --overwrite: the old folder is moved aside, then removed
+        swap_into_place(work, dest, overwrite, "pair.json", "a trained pair")  # --overwrite: the old one goes
     return dest
 
 

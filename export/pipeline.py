@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import socket
+import uuid
 import sys
 import tempfile
 import time
@@ -24,7 +25,7 @@ from typing import Callable
 
 from edgespec import contract
 from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
-from edgespec.errors import (DiskFullError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError,
+from edgespec.errors import (CheckpointError, DiskFullError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError,
                              UnsupportedArchitectureError)
 from edgespec.outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
 
@@ -35,6 +36,9 @@ from .tokenizer_check import check_model_covers_tokenizer, load_vocab, shared_vo
 
 DEFAULT_ATOL = 1e-3  # fp32 ORT vs PyTorch on logits and KV (typical real-model diffs: 1e-5..1e-4)
 DEFAULT_QUANTIZED_ATOL = 1.0  # int8 weights: logits move by O(0.1); this only catches broken graphs
+# ... and relative to the logits' range (validate.summarize): a broken graph of a model with small
+# logits stays under any absolute bound (an int8 graph with all-zero weights: 0.57 on a tiny Llama)
+QUANTIZED_RTOL = 0.25
 T5_DEFAULT_MAX_POSITIONS = 512  # relative attention has no hard limit; T5 was trained on 512 tokens
 # auto: the static-KV graph where the architecture has one (llama, gpt2), optimum's traced graph
 # otherwise; static: require it; optimum: always the traced graph (KV concat layout).
@@ -99,12 +103,20 @@ def _eos_ids(folder: Path, config: dict) -> list[int]:
     eos = None
     gen = folder / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        try:
+            eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+        except (ValueError, AttributeError) as exc:
+            raise CheckpointError(f"{gen} is not a JSON object ({exc}); fix or delete it (the EOS ids are read from "
+                                  "it, else from config.json)") from None
     if eos is None:
         eos = config.get("eos_token_id")
     if eos is None:
         return []
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+        raise CheckpointError(f"{folder}: eos_token_id {eos!r:.60} is not a token id (or a list of them); fix "
+                              "generation_config.json / config.json")
+    return ids
 
 
 def _rope_switch(config: dict) -> int | None:
@@ -177,20 +189,21 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     dec_start = ckpt.config.get("decoder_start_token_id")
     limit = tokenizer_size(vocab)
 
-    def run_validation(what: str, atol: float) -> dict:
+    def run_validation(what: str, atol: float, rtol: float | None = None) -> dict:
         if seq2seq:
-            stages = validate.validate_seq2seq(model, folder, num_layers, limit, int(dec_start or 0))
+            stages, scale = validate.validate_seq2seq(model, folder, num_layers, limit, int(dec_start or 0))
         else:
-            capacity = _max_positions(ckpt) if layout == contract.KV_STATIC else None
-            stages = validate.validate_decoder(model, folder, num_layers, limit, kv_capacity=capacity)
-        return validate.summarize(stages, atol, what)
+            stages, scale = validate.validate_decoder(model, folder, num_layers, limit, static=layout == contract.KV_STATIC,
+                                                      max_positions=_max_positions(ckpt))
+        return validate.summarize(stages, atol, what, scale, rtol)
 
     switch = _rope_switch(ckpt.config)
     if switch is not None:
         warnings.warn(f"{role}: {ckpt.path} uses length-dependent rotary scaling (longrope): its factors change past "
                       f"{switch} tokens and the exported graph keeps the short ones, so the bundle is limited to "
                       f"{switch} positions (prompt + new tokens); longer contexts are refused at run time", EdgeSpecWarning, stacklevel=2)
-    progress(f"{role}: validating ONNX Runtime vs PyTorch (prefill, 1-token step, {validate.MULTI_STEP_TOKENS}-token step)")
+    progress(f"{role}: validating ONNX Runtime vs PyTorch (prefill, 1-token and {validate.MULTI_STEP_TOKENS}-token steps, "
+             f"a rewound round, up to {validate.LONG_TOKENS} positions)")
     record = {"fp32": run_validation(f"{role} (fp32)", opts.atol)}
     if quant == "int8":
         blockwise = role == contract.ROLE_TARGET  # see quantize_int8_blockwise: a target must stay causal
@@ -204,7 +217,7 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
             for name in files.values():
                 quantize_int8(folder / name)
         progress(f"{role}: validating the int8 graphs vs PyTorch")
-        record["int8"] = run_validation(f"{role} (int8)", opts.quantized_atol)
+        record["int8"] = run_validation(f"{role} (int8)", opts.quantized_atol, QUANTIZED_RTOL)
 
     pbytes = graph_info.parameter_bytes(step_graph)
     bytes_record = {"total": sum(graph_info.parameter_bytes(folder / f)["total"] for f in files.values()),
@@ -273,6 +286,12 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
                           "step, so speculation is slower than plain decoding; pass a smaller draft",
                           EdgeSpecWarning, stacklevel=2)
     layouts = {role: _kv_layout(ckpt, options) for role, ckpt in roles.items()}  # --graph refusals, before any loading
+    for ckpt in roles.values():  # cheap checks of what is read after the export, before it
+        _eos_ids(ckpt.path, ckpt.config)
+        if ckpt.kind == contract.KIND_DECODER and _max_positions(ckpt) < validate.MIN_POSITIONS:
+            raise UnsupportedArchitectureError(
+                f"{ckpt.path} has {_max_positions(ckpt)} positions; edgespec validates and speculates over at least "
+                f"{validate.MIN_POSITIONS} tokens: export a model with more positions")
     if xla is not None:
         if options.quantize_target != "none":
             raise InvalidArgumentError(
@@ -302,9 +321,11 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     except OSError as exc:
         raise _as_disk_full(exc, dest.parent, roles) or exc
+    token = uuid.uuid4().hex
+    _LIVE_EXPORTS.add(token)
     try:
         # The marker makes the folder "not a bundle" for load_bundle until it is renamed into place.
-        (tmp / PARTIAL_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+        (tmp / PARTIAL_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token}))
         models, opset = {}, 0
         for role, ckpt in roles.items():
             quant = options.quantize_target if role == contract.ROLE_TARGET else options.quantize_draft
@@ -339,7 +360,7 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         load_bundle(tmp, allow_partial=True)  # the reader must accept what the writer wrote
         usual_permissions(tmp, recursive=True)  # mkdtemp (0700), onnx's external data and XLA weights (0600)
         progress(f"writing {dest}")
-        swap_into_place(tmp, dest)
+        swap_into_place(tmp, dest, options.overwrite, contract.MANIFEST_NAME, "an edgespec bundle")
         # Killed before this line: dest holds the marker, does not load, and the next export of
         # the same --out replaces it (check_output treats it as our own stale leftover).
         (dest / PARTIAL_MARKER).unlink()
@@ -356,12 +377,17 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         if full is not None:
             raise full from exc
         raise
+    finally:
+        _LIVE_EXPORTS.discard(token)
     return manifest
 
 
 # ---- interrupted exports and full disks ----------------------------------------------------------
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
 _DISK_FULL_TEXT = ("No space left on device", "File too large", "Disk quota exceeded")
+
+
+_LIVE_EXPORTS: set[str] = set()  # marker tokens of this process's exports in progress
 
 
 def _marker_owner_alive(folder: Path) -> bool:
@@ -373,8 +399,8 @@ def _marker_owner_alive(folder: Path) -> bool:
         return False  # unreadable marker: the process died while writing it
     if host != socket.gethostname():
         return True  # another machine (shared disk): cannot tell, leave it
-    if pid == os.getpid():
-        return False
+    if pid == os.getpid():  # this process: alive while that export runs (another thread's)
+        return info.get("token") in _LIVE_EXPORTS
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

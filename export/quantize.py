@@ -13,6 +13,9 @@ QUANT_CHOICES = ("none", "int8")
 # What "int8" means per role (see quantize_int8_blockwise for why the target's differs).
 QUANT_LABEL = {contract.ROLE_TARGET: {"none": "none", "int8": "int8-blockwise"},
                contract.ROLE_DRAFT: {"none": "none", "int8": contract.QUANT_DYNAMIC_INT8}}
+# Graphs above this size are quantized to a graph with external data: a protobuf cannot hold 2 GB
+# (the embedding tables stay fp32, so a large-vocabulary draft can exceed it).
+EXTERNAL_DATA_ABOVE = 1 << 30
 BLOCK = 128  # weights per scale along K: 1-token steps were fastest at 128-256 (block 32: 20% slower)
 
 
@@ -25,6 +28,9 @@ def quantize_int8(graph: Path) -> None:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from edgespec.bundle import onnx_external_data_locations
+
+    size = graph.stat().st_size + sum((graph.parent / loc).stat().st_size for loc in onnx_external_data_locations(graph))
     tmp = graph.with_name(graph.stem + ".int8.onnx")
     root = logging.getLogger()
     level = root.level
@@ -35,7 +41,8 @@ def quantize_int8(graph: Path) -> None:
         # static-KV graphs); every activation in these graphs is fp32.
         try:
             quantize_dynamic(str(graph), str(tmp), weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"],
-                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT})
+                             extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
+                             use_external_data_format=size > EXTERNAL_DATA_ABOVE)
         finally:
             root.setLevel(level)
     _replace(tmp, graph)  # the fp32 weights' file goes

@@ -1,9 +1,13 @@
-"""ONNX Runtime vs PyTorch on the three call shapes the speculative loop makes.
+"""ONNX Runtime vs PyTorch on the call shapes the speculative loop makes.
 
 The reference is ONE cache-free PyTorch forward over the whole sequence; the ONNX graphs are run
-incrementally: prefill (n tokens, empty past), a 1-token step (the draft's call) and a k-token
-step (the target verifying gamma + 1 tokens). Every logits and present output of every stage is
-compared with the matching slice of the reference; the max abs diff of each is recorded.
+incrementally: prefill (n tokens, empty past), a 1-token step (the draft's call), a k-token step
+(the target verifying gamma + 1 tokens), then a rejected round: k junk tokens are fed, the cache
+is rewound past them as the runtime does (a shorter mask over a stale tail for static-KV graphs, a
+shorter past for concat graphs) and the sequence goes on in k-token steps to LONG_TOKENS
+positions (or the model's limit), so positions far from the start and rewinds are checked too.
+Every logits and present output of every stage is compared with the matching slice of the
+reference; the max abs diff of each is recorded.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from edgespec.errors import ValidationError
 
 PREFILL_TOKENS = 7
 MULTI_STEP_TOKENS = 4  # the k-token step (gamma + 1 with gamma = 3)
+MIN_POSITIONS = PREFILL_TOKENS + 1 + MULTI_STEP_TOKENS  # the shortest sequence validated
+LONG_TOKENS = 64  # decoder tokens reached after the rejected round (when the model has the positions)
 
 
 def _kv_pairs(cache) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -59,10 +65,31 @@ def _float_type(sess, name: str):
     return np.float16 if "float16" in t else np.float32
 
 
+def _plan(positions: int) -> list[tuple[str, int, bool]]:
+    """(stage, tokens, junk) in call order for a sequence of ``positions`` tokens: prefill, 1-token
+    step, k-token step, then (room permitting) k junk tokens that are rewound, and k-token steps."""
+    plan = [("prefill", PREFILL_TOKENS, False), ("step_1", 1, False), (f"step_{MULTI_STEP_TOKENS}", MULTI_STEP_TOKENS, False)]
+    if positions >= MIN_POSITIONS + MULTI_STEP_TOKENS:
+        plan.append(("rejected", MULTI_STEP_TOKENS, True))
+        done = MIN_POSITIONS
+        while done < positions:
+            k = min(MULTI_STEP_TOKENS, positions - done)
+            plan.append(("after_rewind", k, False))
+            done += k
+    return plan
+
+
+def logits_range(ref_logits: np.ndarray) -> float:
+    """The spread of the reference logits (largest max - min over positions): the scale a
+    quantized model's differences are judged against."""
+    return float((ref_logits.max(axis=-1) - ref_logits.min(axis=-1)).max())
+
+
 def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, seed: int = 0,
-                     kv_capacity: int | None = None) -> dict:
-    """``kv_capacity``: None for concat-layout graphs (past starts empty); the buffer length of a
-    static-KV graph (past starts as a zero buffer of that length; present[:, :, :end] is compared)."""
+                     static: bool = False, max_positions: int = LONG_TOKENS) -> tuple[dict, float]:
+    """``static``: a static-KV graph (past and present are buffers of a fixed capacity; here the
+    validated length, present[:, :, :end] is compared), else a concat graph (past starts empty).
+    Returns the stages' differences and the reference's logits_range."""
     import torch
 
     sess = _session(folder / contract.DECODER_FILE)
@@ -74,39 +101,57 @@ def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, see
     ftype = _float_type(sess, past_names[0])
 
     rng = np.random.default_rng(seed)
-    total = PREFILL_TOKENS + 1 + MULTI_STEP_TOKENS
+    total = min(max_positions, LONG_TOKENS)
+    if total < MIN_POSITIONS:
+        raise ValidationError(f"the model has {max_positions} positions; edgespec validates (and speculates over) at "
+                              f"least {MIN_POSITIONS}: export a model with more positions")
     ids = rng.integers(0, vocab_limit, size=(1, total), dtype=np.int64)
+    junk = rng.integers(0, vocab_limit, size=(1, MULTI_STEP_TOKENS), dtype=np.int64)
     with torch.no_grad():
         ref = model(input_ids=torch.from_numpy(ids), use_cache=True)
     ref_logits = ref.logits.float().numpy()
     ref_kv = [a for pair in _kv_pairs(ref.past_key_values) for a in pair]
 
-    past = [np.zeros((1, heads, kv_capacity or 0, head), dtype=ftype) for _ in past_names]
+    past = [np.zeros((1, heads, total if static else 0, head), dtype=ftype) for _ in past_names]
     stages, start = {}, 0
-    for stage, k in (("prefill", PREFILL_TOKENS), ("step_1", 1), (f"step_{MULTI_STEP_TOKENS}", MULTI_STEP_TOKENS)):
+    for stage, k, rejected in _plan(total):
         end = start + k
-        feed = {contract.INPUT_IDS: ids[:, start:end], **dict(zip(past_names, past))}
+        feed = {contract.INPUT_IDS: junk if rejected else ids[:, start:end], **dict(zip(past_names, past))}
         if contract.ATTENTION_MASK in in_names:
             feed[contract.ATTENTION_MASK] = np.ones((1, end), dtype=np.int64)
         if contract.POSITION_IDS in in_names:
             feed[contract.POSITION_IDS] = np.arange(start, end, dtype=np.int64)[None, :]
         outs = _run(sess, [contract.LOGITS, *present_names], feed, stage)
+        if rejected:  # rewind to ``start``: static, the next mask is shorter (the tail goes stale); concat, cut
+            past = outs[1:] if static else [np.ascontiguousarray(p[:, :, :start]) for p in outs[1:]]
+            continue
         diffs = {contract.LOGITS: _diff(outs[0], ref_logits[:, start:end], contract.LOGITS)}
         for name, got, want in zip(present_names, outs[1:], ref_kv):
             # A sliding-window cache (Mistral, Phi-3, ...) keeps only the last positions of the
             # reference pass: [offset, total). Compare the positions both hold.
             offset = total - want.shape[2]
             lo = max(offset, 0)
-            if kv_capacity is None and got.shape[2] != end:
+            if not static and got.shape[2] != end:
                 diffs[name] = _diff(got, want[:, :, :end], name)  # a wrong length: the shape error
             elif end > lo:
                 diffs[name] = _diff(got[:, :, lo:end], want[:, :, lo - offset:end - offset], name)
-        stages[stage] = diffs
+        stages[stage] = _merge(stages.get(stage), diffs)
         past, start = outs[1:], end
-    return stages
+    return stages, logits_range(ref_logits)
 
 
-def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, decoder_start: int, seed: int = 0) -> dict:
+def _merge(old: dict | None, new: dict) -> dict:
+    """A stage run several times (after_rewind) records the worst difference per output."""
+    if old is None:
+        return new
+    return {k: max(old.get(k, 0.0), v) if np.isfinite(v) and np.isfinite(old.get(k, 0.0)) else float("nan")
+            for k, v in new.items()}
+
+
+def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, decoder_start: int,
+                     seed: int = 0) -> tuple[dict, float]:
+    """As validate_decoder, for an encoder-decoder: the encoder, the first decoder step, then the
+    decoder-with-past graph over LONG_TOKENS decoder tokens (with the rejected round)."""
     import torch
 
     enc = _session(folder / contract.ENCODER_FILE)
@@ -120,8 +165,9 @@ def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, dec
     rng = np.random.default_rng(seed)
     src = rng.integers(0, vocab_limit, size=(1, PREFILL_TOKENS), dtype=np.int64)
     mask = np.ones_like(src)
-    steps = 1 + MULTI_STEP_TOKENS
-    tgt = np.concatenate([[[decoder_start]], rng.integers(0, vocab_limit, size=(1, steps))], axis=1).astype(np.int64)
+    total = LONG_TOKENS
+    tgt = np.concatenate([[[decoder_start]], rng.integers(0, vocab_limit, size=(1, total - 1))], axis=1).astype(np.int64)
+    junk = rng.integers(0, vocab_limit, size=(1, MULTI_STEP_TOKENS), dtype=np.int64)
     with torch.no_grad():
         # The encoder is called explicitly: after optimum's export the encoder stack's config may
         # carry use_cache=True, which T5Stack refuses for an encoder.
@@ -149,16 +195,20 @@ def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, dec
     stages["prefill"] = diffs
 
     start = 1
-    for stage, k in (("step_1", 1), (f"step_{MULTI_STEP_TOKENS}", MULTI_STEP_TOKENS)):
+    plan = [(stage, k, rejected) for stage, k, rejected in _plan(total + PREFILL_TOKENS - 1)[1:]]  # the decoder's 1 token is the prefill
+    for stage, k, rejected in plan:
         end = start + k
-        feed = {contract.DECODER_INPUT_IDS: tgt[:, start:end], contract.DECODER_ENCODER_ATTENTION_MASK: mask,
-                **dict(zip(self_past, past)), **dict(zip(cross_past, cross))}
+        feed = {contract.DECODER_INPUT_IDS: junk[:, :k] if rejected else tgt[:, start:end],
+                contract.DECODER_ENCODER_ATTENTION_MASK: mask, **dict(zip(self_past, past)), **dict(zip(cross_past, cross))}
         outs = _run(dec_past, [contract.LOGITS, *self_present], feed, stage)
+        if rejected:  # rewind: the concat graph's past is cut back to ``start``
+            past = [np.ascontiguousarray(p[:, :, :start]) for p in outs[1:]]
+            continue
         diffs = {contract.LOGITS: _diff(outs[0], ref_logits[:, start:end], contract.LOGITS)}
         diffs.update({nm: _diff(g, w[:, :, :end], nm) for nm, g, w in zip(self_present, outs[1:], ref_self)})
-        stages[stage] = diffs
+        stages[stage] = _merge(stages.get(stage), diffs)
         past, start = outs[1:], end
-    return stages
+    return stages, logits_range(ref_logits)
 
 
 def worst(diffs: dict) -> tuple[str | None, float]:
@@ -172,13 +222,27 @@ def worst(diffs: dict) -> tuple[str | None, float]:
     return worst_name, worst_d
 
 
-def summarize(stages: dict, atol: float, what: str) -> dict:
-    """Worst diff over all stages/outputs; ValidationError if it exceeds ``atol`` (or is NaN)."""
+def summarize(stages: dict, atol: float, what: str, logits_scale: float | None = None,
+              rtol: float | None = None) -> dict:
+    """Worst diff over all stages/outputs; ValidationError if it exceeds ``atol`` (or is NaN), or,
+    with ``rtol``, if the worst logits diff exceeds rtol x ``logits_scale`` (the reference's
+    logits_range): a quantized model is judged against the size of its logits, so that a broken
+    graph of a model with small logits cannot pass an absolute bound."""
     worst_name, worst_d = worst({f"{stage}/{name}": d for stage, diffs in stages.items() for name, d in diffs.items()})
     if not np.isfinite(worst_d) or worst_d > atol:
         raise ValidationError(
             f"{what}: ONNX Runtime output {worst_name} differs from PyTorch by {worst_d:.3g} (tolerance {atol:g}); "
             "no bundle was written. If this is a quantized model, export without --quantize or raise "
-            "--quantized-atol; otherwise try another --opset, or raise --atol only if you accept the error"
+            "--quantized-atol; otherwise try --graph optimum or another --opset, or raise --atol only if you "
+            "accept the error"
         )
-    return {"atol": atol, "max_abs_diff": worst_d, "worst_output": worst_name, "stages": stages}
+    record = {"atol": atol, "max_abs_diff": worst_d, "worst_output": worst_name, "stages": stages}
+    if rtol is not None and logits_scale is not None:
+        logits_d = max(diffs.get(contract.LOGITS, 0.0) for diffs in stages.values())
+        if logits_d > rtol * logits_scale:
+            raise ValidationError(
+                f"{what}: the quantized logits differ from PyTorch by {logits_d:.3g}, {logits_d / logits_scale:.0%} of "
+                f"the logits' range ({logits_scale:.3g}; at most {rtol:.0%} allowed): the quantized graph is broken "
+                "or this model does not survive int8; no bundle was written. Export without --quantize")
+        record.update(logits_range=logits_scale, rtol=rtol)
+    return record

@@ -163,7 +163,7 @@ def export_xla(
         manifest["export_seconds"] = round(time.perf_counter() - t0, 2)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         usual_permissions(tmp, recursive=True)  # mkdtemp (0700), safetensors (0600)
-        swap_into_place(tmp, dest)
+        swap_into_place(tmp, dest, overwrite, MANIFEST, "XLA artifacts", flag="output")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if made_out:

@@ -81,6 +81,28 @@ def test_per_model_quantization(tiny_checkpoints, tiny_bundle, tmp_path):
     assert m["models"]["draft"]["parameter_bytes"]["per_forward"] < fp32
 
 
+def test_dynamic_int8_of_a_large_graph_keeps_its_weights_outside(tiny_checkpoints, tmp_path, monkeypatch):
+    """Above EXTERNAL_DATA_ABOVE (1 GB) the quantized graph is written with external data (a
+    protobuf cannot hold 2 GB: a large-vocabulary draft crashed in the quantizer's save); the
+    threshold is lowered here so a tiny draft takes that path."""
+    import edgespec
+    from edgespec.bundle import onnx_external_data_locations
+    from edgespec.export import quantize
+
+    monkeypatch.setattr(quantize, "EXTERNAL_DATA_ABOVE", 0)
+    target, draft = tiny_checkpoints("llama")
+    out = tmp_path / "q"
+    export_bundle(target, out, draft=draft, options=ExportOptions(quantize_draft="int8"), progress=None)
+    graph = out / "draft" / contract.DECODER_FILE
+    assert onnx_external_data_locations(graph) and _manifest(out)["models"]["draft"]["quantization"] == "int8-dynamic"
+    assert {p.name for p in graph.parent.iterdir() if p.name.startswith(graph.stem)} == \
+        {graph.name, *onnx_external_data_locations(graph)}                # the fp32 weights' file is gone
+    eng = edgespec.load(out)
+    ids = [5, 9, 4, 7]
+    assert eng.generate(ids, max_new_tokens=12, temperature=0).ids == \
+        eng.generate(ids, max_new_tokens=12, temperature=0, use_draft=False).ids
+
+
 def _nothing_written(out: Path) -> bool:
     return not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
 
@@ -181,6 +203,20 @@ def test_corrupt_or_mismatched_weights_fail_before_any_work(tiny_checkpoints, tm
     (wrong / "config.json").write_text(json.dumps(cfg))
     _cli_fails(["export", "--model", str(wrong), "--out", str(tmp_path / "o-wrong")], capsys, "config.json belongs to these weights")
     assert _nothing_written(tmp_path / "o-wrong")
+    # files read after the export are read before it: a broken generation_config.json, too few positions
+    gen = tmp_path / "bad-gen"
+    shutil.copytree(draft, gen)
+    (gen / "generation_config.json").write_text('{"eos_token_id": 1,')
+    steps = []
+    with pytest.raises(CheckpointError, match="generation_config.json is not a JSON object"):
+        export_bundle(gen, tmp_path / "o-gen", progress=steps.append)
+    assert steps == [] and _nothing_written(tmp_path / "o-gen")
+    short = tmp_path / "short"
+    shutil.copytree(draft, short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 8
+    (short / "config.json").write_text(json.dumps(cfg))
+    _cli_fails(["export", "--model", str(short), "--out", str(tmp_path / "o-short")], capsys, "has 8 positions")
 
 
 def test_unwritable_output_and_xla_flags(tiny_checkpoints, tmp_path, monkeypatch, capsys):
@@ -318,7 +354,7 @@ def test_longrope_checkpoint_is_capped_where_its_rotary_factors_switch(tmp_path,
 
 
 def test_sliding_window_shorter_than_the_validation_pass(tmp_path):
-    """A sliding-window model whose window is shorter than validation's 12 tokens: PyTorch's cache
+    """A sliding-window model whose window is shorter than the validation pass: PyTorch's cache
     keeps only the window's last positions, so validation compares those (it failed with a shape
     mismatch before); the bundle's greedy output matches transformers' generate past the window."""
     import torch

@@ -332,3 +332,63 @@ def test_a_signal_dropped_inside_a_gc_callback_still_stops_the_command():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["130", "143"], proc.stdout + proc.stderr
     assert "x: interrupted" in proc.stderr and "x: terminated" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_swap_into_place_rechecks_the_output_at_the_rename(tmp_path, monkeypatch):
+    """The output may change while a command works: without --overwrite a folder that appeared is
+    never replaced (a user's files, another run's bundle); with it, only an earlier output is; an
+    interruption between the two renames puts the previous output back."""
+    from edgespec.errors import OutputExistsError
+    from edgespec.outputs import swap_into_place
+
+    def finished(name):
+        new = tmp_path / name
+        new.mkdir()
+        (new / "edgespec.json").write_text(name)
+        return new
+
+    dest = tmp_path / "out"
+    swap_into_place(finished("a"), dest, False, "edgespec.json", "a bundle")         # nothing there: renamed
+    assert (dest / "edgespec.json").read_text() == "a"
+    with pytest.raises(OutputExistsError, match="appeared while this command ran"):  # no --overwrite
+        swap_into_place(finished("b"), dest, False, "edgespec.json", "a bundle")
+    assert (dest / "edgespec.json").read_text() == "a" and (tmp_path / "b").exists()
+    swap_into_place(tmp_path / "b", dest, True, "edgespec.json", "a bundle")          # --overwrite, a bundle
+    assert (dest / "edgespec.json").read_text() == "b"
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "mine.txt").write_text("precious")
+    with pytest.raises(OutputExistsError, match="not a bundle"):                       # --overwrite, user's files
+        swap_into_place(finished("c"), notes, True, "edgespec.json", "a bundle")
+    assert (notes / "mine.txt").read_text() == "precious"
+    real_replace, calls = os.replace, []
+
+    def interrupted(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        swap_into_place(tmp_path / "c", dest, True, "edgespec.json", "a bundle")
+    monkeypatch.undo()
+    assert (dest / "edgespec.json").read_text() == "b"                                # put back
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.old-")]
+
+
+def test_an_export_in_another_thread_of_this_process_is_alive(tmp_path):
+    """A partial folder with this process's pid belongs to a live export if its token is one of this
+    process's exports in progress (a second export to the same output in another thread deleted it)."""
+    from edgespec.export import pipeline
+
+    folder = tmp_path / ".b.partial-x"
+    folder.mkdir()
+    (folder / PARTIAL_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": __import__("socket").gethostname(),
+                                                     "token": "t-live"}))
+    assert not pipeline._marker_owner_alive(folder)       # no such export here: a leftover
+    pipeline._LIVE_EXPORTS.add("t-live")
+    try:
+        assert pipeline._marker_owner_alive(folder) and not pipeline._is_stale_partial(folder)
+    finally:
+        pipeline._LIVE_EXPORTS.discard("t-live")

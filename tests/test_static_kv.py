@@ -111,3 +111,49 @@ def test_manifest_kv_layout_checked(bundle_copy):
     path.write_text(json.dumps(data))
     with pytest.raises(BundleError, match="kv_layout"):
         load_bundle(b)
+
+
+def test_validation_reaches_far_positions_and_rewinds(tiny_checkpoints, tmp_path, monkeypatch):
+    """A graph wrong only past the first 12 positions (rotary rows scrambled from 12 on) used to
+    pass validation; the rewound round and the run to 64 positions catch it."""
+    from edgespec.errors import ValidationError
+    from edgespec.export import static_kv
+    from edgespec.export.pipeline import export_bundle
+
+    target, _ = tiny_checkpoints("llama")
+    m = export_bundle(target, tmp_path / "good", progress=None)
+    stages = m.target.validation["fp32"]["stages"]
+    assert {"prefill", "step_1", "step_4", "after_rewind"} <= set(stages) and "rejected" not in stages
+    real = static_kv._Graph.weight
+
+    def scrambled(self, name, arr, dtype=np.float32):
+        if name in ("cos_cache", "sin_cache"):
+            arr = np.concatenate([arr[:12], arr[12:][::-1]])
+        return real(self, name, arr, dtype)
+
+    monkeypatch.setattr(static_kv._Graph, "weight", scrambled)
+    with pytest.raises(ValidationError, match="after_rewind"):
+        export_bundle(target, tmp_path / "bad", progress=None)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_broken_int8_graph_fails_validation(tiny_checkpoints, tmp_path, monkeypatch):
+    """int8 is judged against the logits' range: an all-zero quantized graph of a tiny model
+    (logits within ~1) stayed under the absolute bound of 1.0."""
+    import warnings
+
+    from edgespec.errors import ValidationError
+    from edgespec.export import quantize
+    from edgespec.export.pipeline import ExportOptions, export_bundle
+
+    target, _ = tiny_checkpoints("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = export_bundle(target, tmp_path / "good", options=ExportOptions(quantize_target="int8"), progress=None)
+    v = m.target.validation["int8"]
+    assert v["max_abs_diff"] < 0.05 * v["logits_range"] and v["rtol"] == 0.25
+    real = quantize._pack_int8
+    monkeypatch.setattr(quantize, "_pack_int8", lambda g, name, w, block: real(g, name, np.zeros_like(w), block))
+    with pytest.raises(ValidationError, match="of the logits' range"):
+        export_bundle(target, tmp_path / "bad", options=ExportOptions(quantize_target="int8"), progress=None)
+    assert not (tmp_path / "bad").exists()
