@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec.api import load
+from edgespec.cli import at_least
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.config import SamplingConfig
 from edgespec.errors import EdgeSpecError
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--new-tokens", type=int, default=200)
-    ap.add_argument("--draws", type=int, default=4, help="draws of x ~ q per position")
+    ap.add_argument("--draws", type=at_least(1), default=4, help="draws of x ~ q per position")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.temperature <= 0:

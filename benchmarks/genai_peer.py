@@ -222,6 +222,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from edgespec.cli import run_script
-
+    # It runs in genai's environment, without edgespec (see the docstring); there, errors are printed
+    # as they come (peers.py reports the worker's stderr).
+    try:
+        from edgespec.cli import run_script
+    except ImportError:
+        sys.exit(main())
     sys.exit(run_script(main, "genai_peer.py"))

@@ -19,6 +19,8 @@ import numpy as np
 
 from edgespec import contract
 from edgespec.bundle import load_bundle
+from edgespec.cli import at_least
+from edgespec.errors import InvalidArgumentError
 from edgespec.report import machine_description, write_json
 from edgespec.runtimes.onnx_backend import SessionConfig, open_backend
 
@@ -30,13 +32,24 @@ def main(argv=None) -> int:
     ap.add_argument("--static", type=Path, required=True)
     ap.add_argument("--concat", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--calls", type=int, default=60)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--calls", type=at_least(1), default=60)
+    ap.add_argument("--threads", type=at_least(0), default=1)
     args = ap.parse_args(argv)
     import onnx
 
     bundles = {"static": args.static, "concat": args.concat}
     manifests = {k: load_bundle(b) for k, b in bundles.items()}
+    for k, m in manifests.items():  # each flag must name a bundle of that layout, of the same models
+        if m.draft is None or m.target.kv_layout != k or m.draft.kv_layout != k:
+            raise InvalidArgumentError(f"--{k} {bundles[k]} must be a target + draft bundle with {k} KV graphs "
+                                       f"(it has {m.target.kv_layout}); export it with --graph "
+                                       f"{'static' if k == 'static' else 'optimum'}")
+    for role in ("target", "draft"):
+        a, b = (manifests[k].models[role] for k in bundles)
+        if (a.architecture, a.num_layers, a.vocab_size, a.num_kv_heads, a.head_size) != \
+                (b.architecture, b.num_layers, b.vocab_size, b.num_kv_heads, b.head_size):
+            raise InvalidArgumentError(f"the two bundles' {role}s differ (architecture, layers, vocabulary or attention shape); "
+                                       "export the same checkpoints twice, with --graph static and --graph optimum")
     results: dict = {}
     for role in ("target", "draft"):
         backends = {}
@@ -65,7 +78,7 @@ def main(argv=None) -> int:
              "|---|---|---|" + "---|" * len(WIDTHS)]
     for role, per in results.items():
         for k, r in per.items():
-            lines.append(f"| {role} | {k} | {r['nodes']} | " + " | ".join(f"{r['ms'][w]:.3f} ms" for w in WIDTHS) + " |")
+            lines.append(f"| {role} | {k} ({r['layout']}) | {r['nodes']} | " + " | ".join(f"{r['ms'][w]:.3f} ms" for w in WIDTHS) + " |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "graphs.md").write_text("\n".join(lines) + "\n")
     write_json(args.out / "graphs.json", {"machine": machine_description(), "threads": args.threads, "calls": args.calls,

@@ -3,7 +3,7 @@ vs the two int8 schemes edgespec's exporter writes (dynamic for drafts, blockwis
 
     python benchmarks/int8_rows.py --out benchmarks/results/bench/int8-rows
 
-A graph of twelve independent [512, 4096] MatMuls (96 MB of fp32 weights, like the bench target),
+A graph of twelve independent [512, 4096] MatMuls (101 MB of fp32 weights, like the bench target),
 converted with edgespec's own `quantize_int8` (ONNX Runtime dynamic quantization) and
 `quantize_int8_blockwise` (MatMulNBits, 8 bits). Per scheme, one intra-op thread: the median time of
 a call with 1 and with k rows, and two exactness checks on row 0: a 1-row call against the first row
@@ -68,12 +68,13 @@ def measure(path: Path, rows: int, calls: int) -> dict:
 
 
 def main(argv=None) -> int:
+    from edgespec.cli import at_least
     from edgespec.export.quantize import quantize_int8, quantize_int8_blockwise
     from edgespec.report import machine_description, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=6, help="rows of the multi-row call (a verify of gamma + 1 = 6 tokens)")
-    ap.add_argument("--calls", type=int, default=40, help="timed calls per width (median; after 5 warm-up calls)")
+    ap.add_argument("--calls", type=at_least(1), default=40, help="timed calls per width (median; after 5 warm-up calls)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.rows < 2 or args.calls < 1:

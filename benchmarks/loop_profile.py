@@ -17,6 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import edgespec  # noqa: E402
+from edgespec.cli import at_least  # noqa: E402
 from edgespec.errors import EdgeSpecError  # noqa: E402
 from edgespec.prompts import CODE_PROMPTS  # noqa: E402
 
@@ -27,9 +28,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle", type=Path)
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--gamma", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=1, help="target intra-op threads (the draft gets 1)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gamma", type=at_least(1), default=5)
+    ap.add_argument("--threads", type=at_least(0), default=1, help="target intra-op threads (the draft gets 1)")
+    ap.add_argument("--repeats", type=at_least(1), default=3)
     args = ap.parse_args()
     try:
         eng = edgespec.load(args.bundle, threads=args.threads, draft_threads=1)

@@ -3,7 +3,8 @@
     python benchmarks/paper_tables.py --pair ~/.cache/edgespec/pairs/<pair> --out benchmarks/results/<tag>
 
 Drafts compared against one target: every model draft given with --draft NAME=DIR (a Hugging Face
-checkpoint folder; the pair's own draft is always included), count-based unigram and bigram drafts
+checkpoint folder; the pair's own draft is always included; each is exported with the pair's target
+to PAIR/bundles/NAME once, and reused while it loads), count-based unigram and bigram drafts
 estimated from the training corpus (the paper's Table 3 baselines), and the model-free prompt-lookup
 drafter. For each draft and temperature (0 and 1) a gamma sweep is measured with plain and
 speculative decoding interleaved in the same run (medians over repeats after a warm-up).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ from count_drafts import count_backends  # noqa: E402
 from edgespec import theory  # noqa: E402
 from edgespec.bench import open_bundle  # noqa: E402
 from edgespec.config import SamplingConfig  # noqa: E402
+from edgespec.errors import InvalidArgumentError  # noqa: E402
 from edgespec.measure import ReadCounter, Setting, run_setting  # noqa: E402
 from edgespec.prompts import CODE_PROMPTS  # noqa: E402
 from edgespec.report import machine_description, write_json  # noqa: E402
@@ -57,8 +59,9 @@ def ensure_bundle(pair: Path, name: str, draft_dir: Path) -> Path:
         if load_bundle(out).target.kv_layout == "static":  # else an export from before static-KV graphs
             return out
     except BundleError:
-        if out.exists() and not (out / "edgespec.json").exists():  # a broken export of ours: --overwrite refuses it
-            shutil.rmtree(out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not (out / "edgespec.json").exists():
+            raise InvalidArgumentError(f"{out} exists and is not a bundle; --draft {name}=... exports into it: "
+                                       "choose another NAME or move that folder away") from None
     log(f"exporting target + {name} draft to {out}")
     export_bundle(pair / "target", out, draft=draft_dir, progress=log, options=ExportOptions(overwrite=True))
     return out
@@ -85,7 +88,7 @@ def teacher_forced_probs(backend, ids: list[int], vocab: int, sampling: Sampling
     return process_logits(np.concatenate([first, rest]), sampling)
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", type=Path, required=True, help="pair folder from `edgespec train-pair` (target/, draft/)")
     ap.add_argument("--draft", action="append", default=[], help="extra model draft NAME=DIR (repeatable)")
@@ -95,11 +98,20 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-count-drafts", action="store_true")
-    args = ap.parse_args()
-    gammas = [int(g) for g in args.gammas.split(",")]
+    args = ap.parse_args(argv)
+    try:
+        gammas = sorted({int(g) for g in args.gammas.split(",") if g.strip()})
+    except ValueError:
+        raise InvalidArgumentError(f"--gammas takes integers >= 1 (adaptive gamma is always measured too); got "
+                                   f"{args.gammas!r}") from None
+    if not gammas or gammas[0] < 1 or args.repeats < 1 or args.max_new_tokens < 1 or args.threads < 0:
+        raise InvalidArgumentError("--gammas (integers) and --repeats, --max-new-tokens must be >= 1, --threads >= 0")
     drafts = {"pair-draft": args.pair / "draft"}
     for spec in args.draft:
-        name, _, path = spec.partition("=")
+        name, eq, path = spec.partition("=")
+        if not eq or not path or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or name in drafts:
+            raise InvalidArgumentError(f"--draft takes NAME=DIR, NAME a new plain name (letters, digits, _ . -; it names "
+                                       f"the bundle folder PAIR/bundles/NAME); got {spec!r}")
         drafts[name] = Path(path)
     t_start = time.perf_counter()
     rows: list[dict] = []

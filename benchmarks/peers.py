@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 
+from edgespec.cli import at_least
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.report import machine_description, write_json
 
@@ -172,10 +173,10 @@ def main() -> int:
     ap.add_argument("--draft-dir", type=Path, default=None,
                     help="Hugging Face folder of the bundle's draft, for the PyTorch peers (default <pair>/draft)")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1, help="target intra-op threads, every system (default 1)")
+    ap.add_argument("--gamma", type=at_least(1), default=4)
+    ap.add_argument("--repeats", type=at_least(1), default=3)
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    ap.add_argument("--threads", type=at_least(0), default=1, help="target intra-op threads, every system (default 1)")
     ap.add_argument("--draft-threads", type=int, default=1, help="draft intra-op threads, edgespec and genai (default 1)")
     ap.add_argument("--spin", choices=("on", "off"), default="on",
                     help="edgespec's ORT spin-waiting (default on, ORT's default, which genai keeps)")

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 import edgespec
+from edgespec.cli import at_least
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.report import machine_description, write_json
 
@@ -23,9 +24,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gamma", type=at_least(1), default=4)
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    ap.add_argument("--repeats", type=at_least(1), default=3)
     args = ap.parse_args()
     engines = {"onnx": edgespec.load(args.bundle, threads=1, spinning=False),
                "xla": edgespec.load(args.bundle, runtime="xla")}

@@ -3,7 +3,7 @@ number of rows (tokens) in the call, against what memory and arithmetic alone wo
 
     python benchmarks/verify_width.py --out benchmarks/results/bench/verify-width
 
-The graph of `int8_rows.py` (twelve [512, 4096] fp32 MatMuls, 96 MB of weights, like the bench
+The graph of `int8_rows.py` (twelve [512, 4096] fp32 MatMuls, 101 MB of weights, like the bench
 target's), one intra-op thread, medians. Per width k: the call's time, its rate in GFLOP/s and
 V(k) = time(k) / time(1), the verify cost in plain steps that Theorem 3.8 takes to be 1. Two
 references: the kernel's own best rate (a wide call, compute bound) and numpy's matrix-vector
@@ -43,15 +43,19 @@ def _median_ms(fn, calls: int) -> float:
 def main(argv=None) -> int:
     import onnxruntime as ort
 
+    from edgespec.cli import at_least
     from edgespec.report import machine_description, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--widths", default="1,2,4,6,8,16", help="rows per call to time (comma list; must include 1)")
     ap.add_argument("--peak-width", type=int, default=256, help="a wide call for the kernel's best rate")
-    ap.add_argument("--calls", type=int, default=30, help="timed calls per width (median, after 3 warm-up calls)")
+    ap.add_argument("--calls", type=at_least(1), default=30, help="timed calls per width (median, after 3 warm-up calls)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    widths = sorted({int(w) for w in args.widths.split(",")})
+    try:
+        widths = sorted({int(w) for w in args.widths.split(",")})
+    except ValueError:
+        raise SystemExit(f"verify_width.py: --widths takes comma-separated integers; got {args.widths!r}") from None
     if 1 not in widths or min(widths) < 1 or args.calls < 1 or args.peak_width < 1:
         raise SystemExit("verify_width.py: --widths must include 1 and be >= 1; --calls and --peak-width >= 1")
     K, N, L = int8_rows.K, int8_rows.N, int8_rows.LAYERS

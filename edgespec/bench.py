@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .config import SamplingConfig
 from .errors import InvalidArgumentError
+from .cli import at_least
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
 from .report import format_table, machine_description, plot, write_json
@@ -101,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text file, prompts separated by lines holding only '---' (default: built-in held-out code prompts)")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=5, help="measured repeats after one warm-up (default 5)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--provider", default="cpu", help="execution providers, comma list in priority order")
     p.add_argument("--threads", type=int, default=None,
                    help="target intra-op threads (0 = ORT default; default 0, or with the lookahead drafter in "

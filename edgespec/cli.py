@@ -65,6 +65,20 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = shown
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (a usage error otherwise, not a traceback later)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
 def run_script(main: Callable[[], int | None], name: str) -> int:
     """Run ``main`` (a command's ``run``, a benchmarks/*.py script's ``main``) the way every edgespec
     program ends: an EdgeSpecError or a path the user named that cannot be read or written is one

@@ -15,6 +15,7 @@ from pathlib import Path
 from . import contract
 from .config import SamplingConfig
 from .errors import BundleError, InvalidArgumentError
+from .cli import at_least
 from .measure import Setting, hardware_counters_note, run_setting
 from .prompts import CODE_PROMPTS
 from .report import machine_description
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3, help="measured repeats after one warm-up (default 3)")
     p.add_argument("--threads", type=int, default=1, help="ORT intra-op threads per model (default 1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0)
 
 
 def ensure_bundle(pair_dir: Path, log) -> Path:

@@ -27,6 +27,7 @@ from typing import Sequence
 from . import contract
 from .corpus import bar_options
 from .errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError
+from .cli import at_least
 from .outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
 
 MODES = ("mix", "kl", "tv")
@@ -568,7 +569,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", action="store_true",
                         help="also train a same-size draft on the corpus alone (same budget) and compare")
     parser.add_argument("--eval-windows", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--overwrite", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
 

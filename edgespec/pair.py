@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, bar_options, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
+from .cli import at_least
 from .outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
 
 FORMAT_VERSION = 1
@@ -592,7 +593,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text files or folders to train on (default: this Python's standard library sources)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default: the cache, $EDGESPEC_CACHE/pairs/<preset>-<corpus hash>, reused when present)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the initial weights and batches (torch's CPU kernels are not bit-reproducible "
+    parser.add_argument("--seed", type=at_least(0), default=0, help="random seed of the initial weights and batches (torch's CPU kernels are not bit-reproducible "
                              "across runs, so weights of two runs differ slightly)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -9,6 +9,7 @@ import numpy as np
 
 from .config import GenerationConfig, SamplingConfig
 from .errors import InvalidArgumentError
+from .cli import at_least
 from .loop import generate
 from . import theory
 
@@ -105,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=2000)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0), default=0)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -133,6 +134,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  plain:       {plain.stats.emitted} tokens in {plain.stats.target_calls} target calls")
     print(f"  speculative: {s.emitted} tokens in {s.target_calls} target calls "
           f"({s.tokens_per_target_call:.2f} tokens per target call)")
+    if not s.rounds:  # the first token is the prompt's; a round drafts at least one token before the last
+        print("  no speculative round ran: too few new tokens to draft any (raise --max-new-tokens)")
+        return 0
     print(f"  alpha (mean sum min(p, q)) = {s.alpha:.3f}, acceptance rate = {s.acceptance_rate:.3f}")
     print(f"  tokens per round: measured {s.tokens_per_round:.3f}, "
           f"(1 - a^(g+1)) / (1 - a) = {theory.expected_tokens(min(s.alpha, 1.0), args.gamma):.3f}")

@@ -423,3 +423,60 @@ def test_verify_width_script(tmp_path, monkeypatch):
     assert res["kernel_best_gflops"] > 0 and res["numpy_1row_gb_per_s"] > 0
     with pytest.raises(SystemExit, match="must include 1"):
         mod.main(["--widths", "2,4"])
+
+
+def _script(name: str):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(folder))
+    return mod
+
+
+def test_paper_tables_never_deletes_a_folder_it_did_not_write(tmp_path, tiny_checkpoints):
+    """--draft NAME=DIR exports into PAIR/bundles/NAME: a folder of the user's files there is
+    refused (it was deleted), and NAME cannot leave PAIR/bundles."""
+    import shutil
+
+    pair = tmp_path / "pair"
+    t, d = tiny_checkpoints("llama")
+    shutil.copytree(t, pair / "target")
+    shutil.copytree(d, pair / "draft")
+    notes = pair / "bundles" / "notes"
+    notes.mkdir(parents=True)
+    (notes / "README.txt").write_text("mine")
+    mod = _script("paper_tables")
+    base = ["--pair", str(pair), "--out", str(tmp_path / "out")]
+    with pytest.raises(InvalidArgumentError, match="exists and is not a bundle"):
+        mod.main(base + ["--draft", f"notes={d}"])
+    assert (notes / "README.txt").read_text() == "mine"
+    for bad in (f"../../victim={d}", f"a/b={d}", str(d), f"pair-draft={d}"):
+        with pytest.raises(InvalidArgumentError, match="NAME=DIR"):
+            mod.main(base + ["--draft", bad])
+    for extra in (["--gammas", "2,auto"], ["--repeats", "0"]):
+        with pytest.raises(InvalidArgumentError):
+            mod.main(base + extra)
+    assert not (tmp_path / "victim").exists() and not (tmp_path / "out").exists()
+
+
+def test_graphs_script_labels_rows_by_the_bundles_layout(tmp_path, tiny_checkpoints):
+    from edgespec.export.pipeline import ExportOptions, export_bundle
+
+    t, d = tiny_checkpoints("llama")
+    export_bundle(t, tmp_path / "s", draft=d, progress=None)
+    export_bundle(t, tmp_path / "c", draft=d, options=ExportOptions(graph="optimum"), progress=None)
+    mod = _script("graphs")
+    with pytest.raises(InvalidArgumentError, match="with static KV graphs .it has concat"):   # the flags swapped
+        mod.main(["--static", str(tmp_path / "c"), "--concat", str(tmp_path / "s"), "--out", str(tmp_path / "o")])
+    assert mod.main(["--static", str(tmp_path / "s"), "--concat", str(tmp_path / "c"), "--out", str(tmp_path / "o"),
+                     "--calls", "2"]) == 0
+    text = (tmp_path / "o" / "graphs.md").read_text()
+    assert "| target | static (static) |" in text and "| draft | concat (concat) |" in text
