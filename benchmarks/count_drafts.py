@@ -26,3 +26,10 @@ def count_backends(token_docs: list[list[int]], vocab: int, max_length: int) -> 
     uni, bi = count_tables(token_docs, vocab)
     return {"unigram": ToyBackend(ToyLM(vocab, 1, table=uni), max_length),
             "bigram": ToyBackend(ToyLM(vocab, 2, table=bi), max_length)}
+
+
+if __name__ == "__main__":  # a library of paper_tables.py, not a script
+    import sys
+
+    print(__doc__.strip() + "\n\nA module used by benchmarks/paper_tables.py; run that script instead.", file=sys.stderr)
+    sys.exit(2)

@@ -118,7 +118,11 @@ def genai_runner(bundle: Path, threads: int = 1, draft_threads: int = 1):
     import subprocess
 
     script = Path(__file__).resolve().with_name("genai_peer.py")
-    python = os.environ.get("EDGESPEC_GENAI_PYTHON") or str(script.parents[1] / ".venv-genai" / "bin" / "python")
+    chosen = os.environ.get("EDGESPEC_GENAI_PYTHON")
+    if chosen and not Path(chosen).is_file():
+        return None, (f"EDGESPEC_GENAI_PYTHON={chosen} is not a file; point it at the python of the environment "
+                      "that has onnxruntime-genai")
+    python = chosen or str(script.parents[1] / ".venv-genai" / "bin" / "python")
     if not Path(python).is_file():
         if importlib.util.find_spec("onnxruntime_genai") is None:
             return None, ("onnxruntime-genai not installed (its builder needs transformers 5: install it in its own "
@@ -128,7 +132,8 @@ def genai_runner(bundle: Path, threads: int = 1, draft_threads: int = 1):
                             "print(og.__version__, hasattr(og.GeneratorParams, 'set_speculative_options'))"],
                            capture_output=True, text=True)
     if probe.returncode != 0:
-        return None, f"onnxruntime-genai not importable by {python}: {probe.stderr.strip().splitlines()[-1:]}"
+        last = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
+        return None, f"onnxruntime-genai not importable by {python}: {last}"
     version, has_spec = probe.stdout.split()
     workers: dict = {}
 

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Reproduce every committed result in benchmarks/results/ on this machine (2 cores, CPU):
-#   bash benchmarks/run_all.sh [PRESET]      PRESET: bench (default, ~45 min of training once) or quick
+# Reproduce the committed results in benchmarks/results/ on this machine (2 cores, CPU):
+#   bash benchmarks/run_all.sh [PRESET]      PRESET: bench (default) or quick
+# Training runs once (bench: the pair ~40 min, the distilled drafts ~2 h more), then every measurement.
+# Not rerun: results/bench/distill/*.json (copies of the drafts' own distill.json, written by the
+# distill runs below) and bench-int8-target* (a dynamic-int8 target, which the exporter no longer
+# writes: `--quantize int8` now makes the exact blockwise target, measured in bench-int8-blockwise-target).
 # Run it on an otherwise idle machine: every figure is a wall-clock measurement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,8 +43,8 @@ large3=$(bundle_of large3-int8 "$pair/distilled-large3" --quantize-draft int8)
 large4=$(bundle_of large4-int8 "$pair/distilled-large4" --quantize-draft int8)
 large5=$(bundle_of large5-int8 "$pair/distilled-large5" --quantize-draft int8)
 deep4=$(bundle_of deep4-int8 "$pair/distilled-large4-deep4" --quantize-draft int8)
-# the target in int8 too: a different (quantized) target, 3-4x faster plain decoding on this CPU
-large4_q=$(bundle_of large4-int8all "$pair/distilled-large4" --quantize int8)
+# the target in int8 too (weight-only blockwise, exact: a different, quantized target)
+large4_q=$(bundle_of large4-int8t-blockwise "$pair/distilled-large4" --quantize int8)
 
 # 1. the bench grid (issue 4 targets, issue 8 adaptive vs static) with the best draft, 1 thread per
 #    model and 2 threads for the target
@@ -60,11 +64,15 @@ for run in a b; do
   edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-s9$run"
   edgespec bench "$deep4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-deep4-s9$run"
 done
-edgespec bench "$large4_q" --gammas 3,4,5,6,8,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-target"
-edgespec bench "$large4_q" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 5 --out "$out/bench-int8-target-2threads"
+edgespec bench "$large4_q" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-blockwise-target"
+#    the decode-rate columns (run twice) and the lookahead drafter beside the model drafter
+edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-decode"
+edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-decode-again"
+edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --draft model,lookahead --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-lookahead"
 # 2. the same grid with the pair's own draft and the small distilled draft
 edgespec bench "$pair_bundle" --gammas 1,2,3,4,6,8,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench"
 edgespec bench "$small" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench-distilled"
+edgespec bench "$small" --gammas 2,4 --temperatures 0,1 --threads 2 --draft-threads 1 --repeats 3 --quiet --out "$out/bench-distilled-2threads"
 # 2b. the same model exported both ways (static-KV vs optimum's concat graph), per-call costs interleaved
 [ -f "$pair/bundles/pair-draft-optimum/edgespec.json" ] ||
   edgespec export --target "$pair/target" --draft "$pair/draft" --out "$pair/bundles/pair-draft-optimum" --graph optimum --overwrite --quiet
@@ -73,7 +81,10 @@ python benchmarks/graphs.py --static "$pair_bundle" --concat "$pair/bundles/pair
 python benchmarks/int8_rows.py --out "$out/int8-rows"
 python benchmarks/verify_width.py --out "$out/verify-width"
 # 3. what a draft-length policy can gain at greedy (static sweep, adaptive, best threshold, oracle)
-python benchmarks/adaptive_bound.py "$large" --out "$out/adaptive-bound" --calibration 70
+python benchmarks/adaptive_bound.py "$large" --out "$out/adaptive-bound"
+python benchmarks/adaptive_bound.py "$large4" --out "$out/adaptive-bound-large4" --calibration 70
+#    and what the draft knows at T=1 about whether its token will be kept
+python benchmarks/acceptance_signals.py "$large4" --out "$out/acceptance-signals"
 # 4. the paper's tables 2-5 and figure 3
 python benchmarks/paper_tables.py --pair "$pair" --draft distilled="$pair/distilled" --draft distilled-large2="$pair/distilled-large2" --gammas 2,4,6 --repeats 3 --out "$out/tables"
 # 5. peers side by side (onnxruntime-genai runs the same bundle's graphs)
@@ -81,6 +92,8 @@ python benchmarks/peers.py --pair "$pair" --bundle "$large" --draft-dir "$pair/d
 python benchmarks/peers.py --pair "$pair" --bundle "$large" --draft-dir "$pair/distilled-large2" --gamma 5 --repeats 7 --threads 1 --out "$out/peers-large-1thread"
 python benchmarks/peers.py --pair "$pair" --bundle "$large4" --draft-dir "$pair/distilled-large4" --gamma 5 --repeats 7 --threads 2 --out "$out/peers-large4-2threads"
 python benchmarks/peers.py --pair "$pair" --bundle "$large4" --draft-dir "$pair/distilled-large4" --gamma 5 --repeats 7 --threads 1 --out "$out/peers-large4-1thread"
+python benchmarks/peers.py --pair "$pair" --bundle "$large4" --draft-dir "$pair/distilled-large4" --gamma 5 --repeats 7 --threads 1 --out "$out/peers-large4-1thread-lookahead"
+python benchmarks/peers.py --pair "$pair" --bundle "$small" --draft-dir "$pair/distilled" --repeats 2 --max-new-tokens 48 --out "$out/peers"
 # 6. the XLA reference path on the same pair: greedy identity with ONNX Runtime and both runtimes' speed
 grep -q '"kv_layout": "static"' "$pair/bundle-xla/edgespec.json" 2>/dev/null ||
   edgespec export --target "$pair/target" --draft "$pair/draft" --out "$pair/bundle-xla" --format onnx+xla --overwrite --quiet

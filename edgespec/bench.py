@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import SamplingConfig
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, PromptTooLongError
 from .cli import at_least
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
@@ -179,9 +179,14 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     # Settings that sample alike are measured side by side (one shared plain run per prompt), so
     # they can be compared with each other too (adaptive vs static gamma below).
-    results = run_settings(ob.target, ob.draft, prompts, grid, args.max_new_tokens, args.repeats, warmup=1,
-                           eos_token_ids=tuple(ob.manifest.target.eos_token_ids), seed=args.seed, progress=log,
-                           vocab_size=ob.manifest.sample_vocab_size, max_gamma=max_gamma)
+    try:
+        results = run_settings(ob.target, ob.draft, prompts, grid, args.max_new_tokens, args.repeats, warmup=1,
+                               eos_token_ids=tuple(ob.manifest.target.eos_token_ids), seed=args.seed, progress=log,
+                               vocab_size=ob.manifest.sample_vocab_size, max_gamma=max_gamma)
+    except PromptTooLongError as exc:  # the user may not have written these prompts: say which knob to turn
+        which = "the built-in prompts" if args.prompts is None else f"a prompt of {args.prompts}"
+        raise PromptTooLongError(f"{exc} ({which}: pass --prompts FILE with shorter prompts, or lower "
+                                 "--max-new-tokens)") from None
     rows = [r.summary() for r in results]
     print(format_table(rows))
     versus = adaptive_vs_static(results)

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n--- {len(res.ids)} tokens, {res.stats.target_calls} target calls "
           f"({res.stats.tokens_per_target_call:.2f} tokens per target call), finish: {res.finish_reason}\n")
 
-    log(f"step 4/4: plain vs speculative, interleaved, {args.repeats} repeats after a warm-up")
+    log(f"step 4/4: plain vs speculative, interleaved, {args.repeats} repeat{'s' if args.repeats != 1 else ''} after a warm-up")
     ob = open_bundle(bundle, engine=eng)  # the same sessions, wrapped in read counters
     prompts = [fit(p) for p in CODE_PROMPTS[:4]]
     eos = tuple(ob.manifest.target.eos_token_ids)

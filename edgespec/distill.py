@@ -399,9 +399,9 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
         _check_int(name, v)
     _check_int("seed", seed, 0)
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise InvalidArgumentError(f"lr must be a finite positive number; got {lr!r}")
+        raise InvalidArgumentError(f"lr (CLI --lr) must be a finite positive number; got {lr!r}")
     if isinstance(generated, bool) or not isinstance(generated, (int, float)) or not 0 <= generated <= 1:
-        raise InvalidArgumentError(f"generated must be a fraction in [0, 1]; got {generated!r}")
+        raise InvalidArgumentError(f"generated (CLI --generated) must be a fraction in [0, 1]; got {generated!r}")
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"output folder {out_dir} exists; choose another --out or pass --overwrite")
     check_replaceable(out_dir, "distill.json", "a distilled draft")

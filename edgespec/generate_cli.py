@@ -94,6 +94,12 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--json already gives each token's source ('sources'); drop --show-drafts or --json")
     if args.no_draft and args.lenience != 1.0:
         raise InvalidArgumentError("--no-draft decodes with the target alone: --lenience has no effect; drop one of them")
+    draft_flags = [f for f, on in (("--draft-threads", args.draft_threads is not None),
+                                   ("--draft-provider", args.draft_provider is not None)) if on]
+    if draft_flags and (args.no_draft or args.draft == "ngram"):
+        why = "--no-draft decodes with the target alone" if args.no_draft else "--draft ngram uses no draft model"
+        raise InvalidArgumentError(f"{why}: {', '.join(draft_flags)} {'has' if len(draft_flags) == 1 else 'have'} no "
+                                   f"effect; drop {'it' if len(draft_flags) == 1 else 'them'}")
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
     refuse_ort_flags(args.runtime, {"--provider": args.provider != "cpu", "--draft-provider": args.draft_provider,

@@ -109,9 +109,12 @@ class SettingResult:
                 hist[n] += k
         tokens_per_round = sum(s.round_tokens for s in self.stats) / rounds if rounds else float("nan")
         # the theory column assumes gamma drafts every round: for adaptive gamma and for prompt lookup
-        # (which proposes only what it finds) the mean drafted per round stands in for it
+        # (which proposes only what it finds) the mean drafted per round stands in for it, and for a
+        # static gamma too where the loop drafted fewer (rounds capped by the tokens left to generate)
         g = self.setting.gamma if self.setting.gamma is not None and self.setting.draft != "ngram" \
             else max(1, round(mean_gamma))
+        if rounds:
+            g = min(g, max(1, round(mean_gamma)))
         ok = 0 <= alpha <= 1 and c == c
         # Theorem 3.8 assumes a verify call of g + 1 tokens costs one target step. V is what it
         # cost here (mean verify call / mean plain step, both measured in this run), so the

@@ -142,7 +142,7 @@ PRESETS: dict[str, PairPreset] = {
         warmup_steps=20, checkpoint_every=40, eval_windows=64,
     ),
     # For published benchmarks: a ~23M target (one target step then costs far more than the
-    # draft's fixed per-call overhead) with the quick draft's size; about 45 min on 2 cores.
+    # draft's fixed per-call overhead) with the quick draft's size; about 40 min on 2 cores.
     "bench": PairPreset(
         name="bench", vocab_size=2048, context=256,
         target=ModelSize(hidden=512, layers=7, heads=8, intermediate=1376),

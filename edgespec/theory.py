@@ -68,8 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_gamma < 1:
-        raise InvalidArgumentError(f"--max-gamma must be >= 1; got {args.max_gamma}")
+    if not 1 <= args.max_gamma <= 256:  # one table row per gamma
+        raise InvalidArgumentError(f"--max-gamma must be in [1, 256]; got {args.max_gamma}")
     a, c = args.alpha, args.c
     c_hat = c if args.c_hat is None else args.c_hat
     _check(a, None, c)
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     for g in range(1, args.max_gamma + 1):
         mark = "  <- best" if g == best else ""
         print(f"{g:>5}  {expected_tokens(a, g):>12.3f}  {speedup(a, g, c):>16.3f}x  "
-              f"{arithmetic_factor(a, g, c_hat):>16.3f}x  {1 / memory_read_reduction(a, g):>10.3f}x{mark}")
+              f"{arithmetic_factor(a, g, c_hat):>16.3f}x  {1 / memory_read_reduction(a, g):>10.3g}x{mark}")
     bound = corollary_bound(a, c)
     edge = " (the largest tabulated: the speedup still rises; raise --max-gamma)" \
         if best == args.max_gamma and args.max_gamma > 1 and speedup(a, best, c) > speedup(a, best - 1, c) else ""

@@ -21,8 +21,9 @@ scale per call a position's logits would depend on the other tokens verified wit
 speculative output would no longer match plain decoding. fp16 export is not supported yet.
 Graphs: Llama and GPT-2 decoders get edgespec's static-KV graph (KV written in place, so rolling back a rejected
 draft copies nothing); other architectures are traced by optimum-onnx (--graph chooses).
-Every model is validated against PyTorch (prefill, 1-token step, multi-token step); above
-tolerance the export fails and nothing is written.
+Every model is validated against PyTorch (prefill, 1- and 4-token steps, a rejected round rewound
+as the runtime does, then on to 64 positions or the model's limit; int8 also against the logits'
+range); above tolerance the export fails and nothing is written.
 """
 
 

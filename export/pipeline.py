@@ -202,8 +202,9 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
         warnings.warn(f"{role}: {ckpt.path} uses length-dependent rotary scaling (longrope): its factors change past "
                       f"{switch} tokens and the exported graph keeps the short ones, so the bundle is limited to "
                       f"{switch} positions (prompt + new tokens); longer contexts are refused at run time", EdgeSpecWarning, stacklevel=2)
+    reach = validate.LONG_TOKENS if seq2seq else min(validate.LONG_TOKENS, _max_positions(ckpt))
     progress(f"{role}: validating ONNX Runtime vs PyTorch (prefill, 1-token and {validate.MULTI_STEP_TOKENS}-token steps, "
-             f"a rewound round, up to {validate.LONG_TOKENS} positions)")
+             f"a rewound round, {reach} {'decoder ' if seq2seq else ''}positions)")
     record = {"fp32": run_validation(f"{role} (fp32)", opts.atol)}
     if quant == "int8":
         blockwise = role == contract.ROLE_TARGET  # see quantize_int8_blockwise: a target must stay causal
@@ -286,6 +287,9 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
                           "step, so speculation is slower than plain decoding; pass a smaller draft",
                           EdgeSpecWarning, stacklevel=2)
     layouts = {role: _kv_layout(ckpt, options) for role, ckpt in roles.items()}  # --graph refusals, before any loading
+    if options.opset is not None and all(layout == contract.KV_STATIC for layout in layouts.values()):
+        raise InvalidArgumentError(f"--opset sets the opset of optimum's traced graphs; these models get static-KV graphs "
+                                   f"(opset {static_kv.OPSET}): drop --opset, or add --graph optimum")
     for ckpt in roles.values():  # cheap checks of what is read after the export, before it
         _eos_ids(ckpt.path, ckpt.config)
         if ckpt.kind == contract.KIND_DECODER and _max_positions(ckpt) < validate.MIN_POSITIONS:

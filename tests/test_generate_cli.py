@@ -60,6 +60,9 @@ def test_contradictory_flags(tiny_bundle, capsys):
     _fails(["generate", b, "--prompt", "x", "--platform", "tpu"], capsys, "--runtime xla")
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--lenience", "0.5"], capsys, "--lenience has no effect")
     _fails(["generate", b, "--prompt", "x", "--json", "--show-drafts"], capsys, "drop --show-drafts or --json")
+    _fails(["generate", b, "--prompt", "x", "--no-draft", "--draft-threads", "2"], capsys, "--draft-threads has no effect")
+    _fails(["generate", b, "--prompt", "x", "--draft", "ngram", "--draft-provider", "cpu"], capsys,
+           "--draft ngram uses no draft model: --draft-provider has no effect")
     _fails(["generate", b, "--prompt", "x", "--lenience", "0"], capsys, "lenience must be in (0, 1]")
 
 

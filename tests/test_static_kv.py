@@ -103,6 +103,15 @@ def test_static_graph_refused_where_unsupported(tiny_checkpoints, tmp_path, caps
     assert m.target.kv_layout == contract.KV_CONCAT
 
 
+def test_opset_applies_to_optimum_graphs_only(tiny_checkpoints, tmp_path, capsys):
+    target, _ = tiny_checkpoints("llama")
+    assert main(["export", "--model", str(target), "--out", str(tmp_path / "a"), "--opset", "14"]) == 2
+    assert "drop --opset, or add --graph optimum" in capsys.readouterr().err
+    assert main(["export", "--model", str(target), "--out", str(tmp_path / "b"), "--opset", "17", "--graph", "optimum",
+                 "--quiet"]) == 0
+    assert load_bundle(tmp_path / "b").opset == 17
+
+
 def test_manifest_kv_layout_checked(bundle_copy):
     b = bundle_copy("llama")
     path = b / contract.MANIFEST_NAME
