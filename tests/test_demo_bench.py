@@ -154,6 +154,20 @@ def test_verify_cost_is_verify_call_over_plain_step():
     assert r["predicted_speedup_verify_cost"] == pytest.approx(speedup(0.8, 4, 0.02) / 1.5)
 
 
+def test_theory_columns_use_the_gamma_the_rounds_drafted():
+    """A static gamma the loop could not draft (too few tokens left) is not what the theory sees."""
+    from edgespec.config import SamplingConfig
+    from edgespec.loop import GenerationStats
+    from edgespec.measure import Setting, SettingResult
+    from edgespec.theory import expected_tokens
+
+    st = GenerationStats(target_calls=11, target_s=0.15, draft_calls=70, draft_s=0.012, beta_sum=56.0, beta_count=70,
+                         rounds=10, drafted=70, round_tokens=70)
+    for gamma, used in ((100, 7), (7, 7), (4, 4)):
+        r = SettingResult(Setting(gamma=gamma, sampling=SamplingConfig(0.0)), stats=[st], plain_step=[0.2, 20]).summary()
+        assert r["expected_tokens_per_round"] == pytest.approx(expected_tokens(0.8, used)), gamma
+
+
 def test_bench_bad_input(tiny_bundle, tmp_path, capsys):
     assert main(["bench", str(tiny_bundle("llama")), "--gammas", "x"]) == 2
     assert main(["bench", str(tmp_path / "nope")]) == 2
