@@ -40,7 +40,9 @@ def main(argv=None) -> int:
     bundles = {"static": args.static, "concat": args.concat}
     manifests = {k: load_bundle(b) for k, b in bundles.items()}
     for k, m in manifests.items():  # each flag must name a bundle of that layout, of the same models
-        if m.draft is None or m.target.kv_layout != k or m.draft.kv_layout != k:
+        if m.draft is None:
+            raise InvalidArgumentError(f"--{k} {bundles[k]} has no draft; export the pair with --target and --draft")
+        if m.target.kv_layout != k or m.draft.kv_layout != k:
             raise InvalidArgumentError(f"--{k} {bundles[k]} must be a target + draft bundle with {k} KV graphs "
                                        f"(it has {m.target.kv_layout}); export it with --graph "
                                        f"{'static' if k == 'static' else 'optimum'}")

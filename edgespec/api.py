@@ -185,7 +185,7 @@ class TextStream:
         steps = self._steps_ref() if self._steps_ref is not None else None
         if steps is not None:
             return steps
-        if self._steps_ref is not None:
+        if self._steps_ref is not None and (self._closed or self._result is not None):
             if self._result is None:
                 raise InvalidArgumentError("the stream was closed before it finished, so it cannot be iterated again; "
                                            "call generate(..., stream=True) again")
@@ -567,8 +567,8 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     for m in (tm, manifest.draft if load_draft else None):
         if m is not None and m.tokenizer_size != size:
-            raise BundleError(f"{root}: the manifest says the {m.path} tokenizer has {m.tokenizer_size} ids, {tok_path} has "
-                              f"{size}; the manifest was edited or the files mixed: re-export the bundle")
+            raise BundleError(f"{root}: the manifest says the {m.path} tokenizer has {m.tokenizer_size} ids; the tokenizer "
+                              f"({tok_path}) has {size}: the manifest was edited or the files mixed: re-export the bundle")
     if runtime == "onnx":
         def open_model(m, cfg):
             return open_backend(root / m.path, m, cfg)

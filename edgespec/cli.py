@@ -88,10 +88,12 @@ def run_script(main: Callable[[], int | None], name: str) -> int:
     terminate = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM) if terminate else None
     previous_hook = sys.unraisablehook
+    running = threading.Event()  # a dropped signal is sent again only while main() runs
     try:
         if terminate:
             signal.signal(signal.SIGTERM, _raise_terminated)
-            sys.unraisablehook = lambda u: _deliver_again(u, previous_hook)
+            running.set()
+            sys.unraisablehook = lambda u: _deliver_again(u, previous_hook, running)
         return int(main() or 0)
     except EdgeSpecError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
@@ -119,6 +121,7 @@ def run_script(main: Callable[[], int | None], name: str) -> int:
               file=sys.stderr)
         return 2
     finally:
+        running.clear()
         if terminate:  # None: a handler set outside Python, which signal() cannot reinstall
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
             sys.unraisablehook = previous_hook
@@ -128,7 +131,7 @@ class _Terminated(BaseException):
     """Raised by the SIGTERM handler; a BaseException so that no ``except Exception`` stops it."""
 
 
-def _deliver_again(unraisable, previous_hook) -> None:
+def _deliver_again(unraisable, previous_hook, running: threading.Event) -> None:
     """A Ctrl-C or SIGTERM whose exception was raised inside a __del__ or a garbage-collector
     callback (JAX has one) is printed and dropped by Python, and the program carried on. Send
     the signal again from another thread, so that its handler runs in the interrupted code once
@@ -140,8 +143,9 @@ def _deliver_again(unraisable, previous_hook) -> None:
         signum = signal.SIGTERM
     else:
         return previous_hook(unraisable)
-    # 10 ms later: the hook has long returned (if not, the signal lands here again and is re-sent)
-    timer = threading.Timer(0.01, os.kill, (os.getpid(), signum))
+    # 10 ms later: the hook has long returned (if not, the signal lands here again and is re-sent);
+    # not once the command has ended (a second Ctrl-C dropped during its clean-up)
+    timer = threading.Timer(0.01, lambda: running.is_set() and os.kill(os.getpid(), signum))
     timer.daemon = True
     timer.start()
 

@@ -88,7 +88,7 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.no_draft and args.draft != "model":
         raise InvalidArgumentError(f"--no-draft decodes with the target alone; drop --draft {args.draft} "
                                    "(or drop --no-draft to draft with it)")
-    if args.no_draft and args.gamma != "auto":
+    if args.no_draft and parse_gamma(args.gamma) is not None:
         raise InvalidArgumentError("--no-draft decodes with the target alone: --gamma has no effect; drop one of them")
     if args.json and args.show_drafts:
         raise InvalidArgumentError("--json already gives each token's source ('sources'); drop --show-drafts or --json")
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
                   draft_threads=1 if args.draft_threads is None else args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",
                   runtime=args.runtime, platform=args.platform)
-    if not engine.has_draft and args.draft != "ngram" and not args.no_draft and args.gamma != "auto":
+    if not engine.has_draft and args.draft != "ngram" and not args.no_draft and parse_gamma(args.gamma) is not None:
         raise InvalidArgumentError(f"{args.bundle} has no draft model, so --gamma has no effect (plain decoding); "
                                    "export it with --draft, draft by prompt lookup with --draft ngram, or drop --gamma")
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -35,6 +35,17 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out") -
             f"{what}: choose another {flag} or empty the folder yourself")
 
 
+def check_swap(dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out") -> None:
+    """Would :func:`swap_into_place` refuse ``dest`` now? (A command that must tidy its work
+    folder first asks before it does: a refused rename must leave a resumable run.)"""
+    if not os.path.lexists(dest) or (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())):
+        return
+    if not overwrite:
+        raise OutputExistsError(f"{flag} {str(dest)!r} appeared while this command ran (another run with the same "
+                                f"{flag}?); nothing was replaced: choose another {flag} or pass --overwrite")
+    check_replaceable(dest, marker, what, flag)
+
+
 def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out") -> None:
     """Rename the finished folder ``new`` to ``dest``. The rules checked before the work are
     checked again here, at the rename (``dest`` may have changed meanwhile: another run writing the
@@ -44,7 +55,9 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
     never a half-replaced mix; if the second rename fails or is interrupted, it is put back."""
     if not os.path.lexists(dest) or (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())):
         try:
-            os.rename(new, dest)  # onto nothing or an empty folder; a non-empty folder or a file fails
+            if os.path.lexists(dest):
+                os.rmdir(dest)  # an empty folder (Windows cannot rename onto one); fails if it filled meanwhile
+            os.rename(new, dest)  # fails if anything appeared at dest meanwhile
         except OSError as exc:
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                 raise
@@ -52,10 +65,7 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
                                     f"(another run with the same {flag}?); nothing was replaced: choose another "
                                     f"{flag} and run again") from None
         return
-    if not overwrite:
-        raise OutputExistsError(f"{flag} {str(dest)!r} appeared while this command ran (another run with the same "
-                                f"{flag}?); nothing was replaced: choose another {flag} or pass --overwrite")
-    check_replaceable(dest, marker, what, flag)
+    check_swap(dest, overwrite, marker, what, flag)
     old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
     os.replace(dest, old / dest.name)
     try:

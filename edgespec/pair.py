@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, bar_options, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
 from .cli import at_least
-from .outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
+from .outputs import check_replaceable, check_swap, check_writable, swap_into_place, usual_permissions
 
 FORMAT_VERSION = 1
 
@@ -549,6 +549,7 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
                          "tokenizers": __import__("tokenizers").__version__, "numpy": np.__version__,
                          "torch_threads": torch_threads},
         }
+        check_swap(dest, overwrite, "pair.json", "a trained pair")  # refused now: the work folder still resumes
         for name in ("identity.json", "tokenizer.json", "target.json", "draft.json", "target.state.pt", "draft.state.pt"):
             (work / name).unlink(missing_ok=True)
         _write_json_atomic(meta, work / "pair.json")

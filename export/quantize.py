@@ -30,7 +30,7 @@ def quantize_int8(graph: Path) -> None:
 
     from edgespec.bundle import onnx_external_data_locations
 
-    size = graph.stat().st_size + sum((graph.parent / loc).stat().st_size for loc in onnx_external_data_locations(graph))
+    size = graph.stat().st_size + sum((graph.parent / loc).stat().st_size for loc in set(onnx_external_data_locations(graph)))
     tmp = graph.with_name(graph.stem + ".int8.onnx")
     root = logging.getLogger()
     level = root.level

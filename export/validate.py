@@ -70,10 +70,11 @@ def _plan(positions: int) -> list[tuple[str, int, bool]]:
     step, k-token step, then (room permitting) k junk tokens that are rewound, and k-token steps."""
     plan = [("prefill", PREFILL_TOKENS, False), ("step_1", 1, False), (f"step_{MULTI_STEP_TOKENS}", MULTI_STEP_TOKENS, False)]
     if positions >= MIN_POSITIONS + MULTI_STEP_TOKENS:
+        # after the junk, a 1- and a 2-token step: the stale junk tail lies past the next calls' mask
         plan.append(("rejected", MULTI_STEP_TOKENS, True))
-        done = MIN_POSITIONS
+        done, widths = MIN_POSITIONS, iter((1, 2))
         while done < positions:
-            k = min(MULTI_STEP_TOKENS, positions - done)
+            k = min(next(widths, MULTI_STEP_TOKENS), positions - done)
             plan.append(("after_rewind", k, False))
             done += k
     return plan

@@ -213,6 +213,9 @@ def test_second_stream_in_the_same_thread_supersedes_the_first(engine, tiny_bund
     head = next(it)
     assert [head, *second] == list(engine.generate(PROMPT, seed=2, stream=True, **KW))  # goes on where it stopped
     assert list(second) == [] and second.result.ids == ref[2]
+    unstarted = engine.generate(PROMPT, seed=2, stream=True, **KW)
+    iter(unstarted)                    # an iterator made and dropped before any step: nothing ran, nothing closed
+    assert "".join(unstarted) == engine.generate(PROMPT, seed=2, **KW).text
     # engine.close() in the same thread supersedes an open stream too, and a stream closed early
     # says it has no result (not "iterate to the end", which it can no longer do)
     third = iter(engine.generate(PROMPT, seed=1, stream=True, **KW))
@@ -339,7 +342,7 @@ def test_swap_into_place_rechecks_the_output_at_the_rename(tmp_path, monkeypatch
     never replaced (a user's files, another run's bundle); with it, only an earlier output is; an
     interruption between the two renames puts the previous output back."""
     from edgespec.errors import OutputExistsError
-    from edgespec.outputs import swap_into_place
+    from edgespec.outputs import check_swap, swap_into_place
 
     def finished(name):
         new = tmp_path / name
@@ -352,6 +355,9 @@ def test_swap_into_place_rechecks_the_output_at_the_rename(tmp_path, monkeypatch
     assert (dest / "edgespec.json").read_text() == "a"
     with pytest.raises(OutputExistsError, match="appeared while this command ran"):  # no --overwrite
         swap_into_place(finished("b"), dest, False, "edgespec.json", "a bundle")
+    with pytest.raises(OutputExistsError, match="appeared while this command ran"):  # asked before tidying up
+        check_swap(dest, False, "edgespec.json", "a bundle")
+    check_swap(dest, True, "edgespec.json", "a bundle")
     assert (dest / "edgespec.json").read_text() == "a" and (tmp_path / "b").exists()
     swap_into_place(tmp_path / "b", dest, True, "edgespec.json", "a bundle")          # --overwrite, a bundle
     assert (dest / "edgespec.json").read_text() == "b"

@@ -57,6 +57,7 @@ def test_contradictory_flags(tiny_bundle, capsys):
     b = str(tiny_bundle("gpt2"))
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--draft", "ngram"], capsys, "drop --draft ngram")
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--gamma", "4"], capsys, "--gamma has no effect")
+    assert main(["generate", b, "--prompt", "x", "--no-draft", "--gamma", "adaptive", "--max-new-tokens", "2"]) == 0
     _fails(["generate", b, "--prompt", "x", "--platform", "tpu"], capsys, "--runtime xla")
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--lenience", "0.5"], capsys, "--lenience has no effect")
     _fails(["generate", b, "--prompt", "x", "--json", "--show-drafts"], capsys, "drop --show-drafts or --json")
