@@ -25,6 +25,7 @@ def test_demo_end_to_end_on_tiny_preset(tmp_path, monkeypatch, capsys):
                    "tokens/s speculative", "Theorem 3.8 predicts", "decode speedup (after 1st tok)",
                    "target bytes read per token", "hardware counters"):
         assert needle in out, needle
+    assert "--prompts FILE --max-new-tokens N` for the full grid" in out  # the tiny pair's 32 positions
     # second run reuses the cached pair and bundle
     assert main(args) == 0
     err = capsys.readouterr().err
