@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
     for v in versus:
         lo, hi = v["iqr"]
         iqr = f"[{lo:.3f}-{hi:.3f}]" if lo == lo and hi == hi else "[---]"  # one repeat: no spread
-        print(f"T={v['temperature']:g} {v['draft']}: adaptive gamma / best static gamma ({v['best_static_gamma']}) "
+        lenient = f" l={v['lenience']:g}" if v["lenience"] != 1 else ""
+        print(f"T={v['temperature']:g}{lenient} {v['draft']}: adaptive gamma / best static gamma ({v['best_static_gamma']}) "
               f"= {v['adaptive_over_best_static']:.3f} {iqr} (speculative tokens/s, same run)")
     note = hardware_counters_note()
     print(note)

@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         g = row["gamma"] if row["gamma"] is not None else f"auto (mean {row['mean_gamma']:.1f})"
         print(f"\n  temperature {row['temperature']:g}, gamma {g}:")
         print(f"    alpha (E[sum min(p, q)])       {_fmt(row['alpha'])}")
-        print(f"    c (draft step / target step)   {_fmt(row['c'])}")
+        print(f"    c (draft step / verify call)   {_fmt(row['c'])}")
         print(f"    tokens per round               {_fmt(row['tokens_per_round'], '.2f')} "
               f"(theory (1 - a^(g+1))/(1 - a): {_fmt(row['expected_tokens_per_round'], '.2f')})")
         print(f"    tokens/s plain                 {_fmt(row['plain_tokens_per_s'], '.1f')}")

@@ -37,9 +37,11 @@ class GenerationStats:
     gamma_hist: list[int] = field(default_factory=list)     # [g] rounds drafted with gamma g
     beta_sum: float = 0.0            # sum of sum_x min(p, q) over examined draft positions
     beta_count: int = 0
+    keep_sum: float = 0.0            # sum of the test's keep probability sum_x min(q, p / l) (= beta_sum at l = 1)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     target_s: float = 0.0
+    plain_step_s: float = 0.0        # the part of target_s spent on plain steps (no drafts) inside the run
     sample_s: float = 0.0
     total_s: float = 0.0
     ttft_s: float = 0.0              # time to first token
@@ -69,14 +71,20 @@ class GenerationStats:
 
     @property
     def c(self) -> float:
-        """Measured cost coefficient: time of one draft call / time of one target (round) call.
+        """Measured cost coefficient: time of one draft call / time of one verify call (the
+        target's calls of the speculative rounds; prefill and plain steps excluded).
 
         The draft time is what the loop waited for drafts: with the lookahead drafter, drafting in
         the caller's thread plus waiting for its worker, over all drafted tokens (reused ones too)."""
-        steps = self.target_calls - 1  # prefill excluded
-        if not self.draft_calls or steps <= 0 or self.target_s <= 0:
+        verify_s, verify_calls = self.verify
+        if not self.draft_calls or verify_calls <= 0 or verify_s <= 0:
             return float("nan")
-        return (self.draft_s / self.draft_calls) / (self.target_s / steps)
+        return (self.draft_s / self.draft_calls) / (verify_s / verify_calls)
+
+    @property
+    def verify(self) -> tuple[float, int]:
+        """(seconds, calls) of the target's verify calls: all calls but the prefill and plain steps."""
+        return self.target_s - self.plain_step_s, self.target_calls - 1 - self.plain_steps
 
     @property
     def tokens_per_second(self) -> float:
@@ -159,6 +167,10 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     beta = q[np.arange(examined), a[:examined]] if sampling.greedy else overlap(p[:examined], q[:examined])
     stats.beta_sum += float(beta.sum())
     stats.beta_count += examined
+    # The test keeps x with probability min(1, p(x) / (l q(x))): on average sum_x min(q, p / l) per
+    # position (Appendix A.5), beta itself at l = 1 and at greedy (greedy_verdict ignores l).
+    lenient = not sampling.greedy and config.lenience < 1
+    stats.keep_sum += float(np.minimum(q[:examined], p[:examined] / config.lenience).sum()) if lenient else float(beta.sum())
     # Roll back by moving positions: the target keeps pending + x_1..x_n, the new pending token
     # is the verdict's; the draft keeps at most the same prefix.
     target.rewind_to(target.length - g + n)
@@ -175,6 +187,7 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     tokens = [int(t) for t in x[:n]] + [verdict.token]
     if g == 0:  # the drafter had nothing to propose: this was a plain target step
         stats.plain_steps += 1
+        stats.plain_step_s += t2 - t1
         return tokens, [TARGET]
     stats.record_round(g, n, len(tokens))
     return tokens, ["accepted"] * n + [verdict.kind]
@@ -192,6 +205,7 @@ def _plain_step(target: Backend, generated: list[int], config: GenerationConfig,
     stats.target_calls += 1
     stats.plain_steps += 1
     stats.target_s += t1 - t0
+    stats.plain_step_s += t1 - t0
     stats.sample_s += time.perf_counter() - t1
     return token
 
@@ -239,11 +253,10 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
                 return block, "length"
         return block, None
 
-    # Prefill both models; the first token comes from the target's prefill logits (a plain step).
+    # Prefill the target; the first token comes from its prefill logits (a plain step). The draft
+    # is prefilled after that token is out: the first token costs what it costs without a draft.
     t0 = time.perf_counter()
     logits = target.prefill(prompt)[None, :vocab]                                 # [1, V]
-    if drafter is not None:
-        drafter.start(prompt)
     stats.prefill_s = time.perf_counter() - t0
     # The last committed token is never fed to the target, hence the -1. (For an encoder-decoder
     # the backend's length counts decoder positions only, so the prompt does not count here.)
@@ -265,6 +278,10 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     else:
         policy = None
     try:
+        if drafter is not None and reason is None:
+            t0 = time.perf_counter()
+            drafter.start(prompt)
+            stats.prefill_s += time.perf_counter() - t0
         while reason is None:
             remaining = config.max_new_tokens - len(out)
             gamma = 0

@@ -3,6 +3,7 @@ interleaved runs, measured alpha and c, the Theorem 3.8 prediction, and the byte
 must read per generated token (section 3.4)."""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -82,8 +83,9 @@ class SettingResult:
     ratios: list[float] = field(default_factory=list)         # per repeat: spec / plain, same run
     plain_ttft: list[float] = field(default_factory=list)
     spec_ttft: list[float] = field(default_factory=list)
-    # Decode rate (1 / time per output token after the first): the prompt's prefill and the first
-    # token are the same work with or without a draft, so this is the part speculation can speed up.
+    # Decode rate (1 / time per output token after the first): the target's prefill and the first
+    # token are the same work with or without a draft (the loop prefills the draft after the first
+    # token), so this is the part speculation can speed up; the draft's prefill is in it.
     plain_decode_tps: list[float] = field(default_factory=list)  # per repeat: (tokens - 1) / (s - ttft)
     spec_decode_tps: list[float] = field(default_factory=list)
     decode_ratios: list[float] = field(default_factory=list)     # per repeat: spec / plain decode rate
@@ -96,9 +98,13 @@ class SettingResult:
         beta_n = sum(s.beta_count for s in self.stats)
         alpha = beta_sum / beta_n if beta_n else float("nan")
         draft_calls = sum(s.draft_calls for s in self.stats)
-        steps = sum(s.target_calls - 1 for s in self.stats)
-        draft_s, target_s = sum(s.draft_s for s in self.stats), sum(s.target_s for s in self.stats)
+        # the verify calls only (prefill and plain steps inside the runs excluded), for c and V
+        steps = sum(s.verify[1] for s in self.stats)
+        draft_s, target_s = sum(s.draft_s for s in self.stats), sum(s.verify[0] for s in self.stats)
         c = (draft_s / draft_calls) / (target_s / steps) if draft_calls and steps and target_s > 0 else float("nan")
+        # lenience < 1 (Appendix A.5): the test keeps more than min(p, q), so the theory columns take
+        # the mean keep probability; alpha stays the paper's E[sum min(p, q)]
+        alpha_test = sum(s.keep_sum for s in self.stats) / beta_n if beta_n else float("nan")
         rounds = sum(s.rounds for s in self.stats)
         drafted = sum(s.drafted for s in self.stats)
         mean_gamma = drafted / rounds if rounds else 0.0
@@ -115,7 +121,8 @@ class SettingResult:
             else max(1, round(mean_gamma))
         if rounds:
             g = min(g, max(1, round(mean_gamma)))
-        ok = 0 <= alpha <= 1 and c == c
+        a = alpha_test if self.setting.lenience < 1 else alpha
+        ok = 0 <= a <= 1 and c == c
         # Theorem 3.8 assumes a verify call of g + 1 tokens costs one target step. V is what it
         # cost here (mean verify call / mean plain step, both measured in this run), so the
         # prediction with the measured verify cost is E / ((g c + 1) V) = Theorem 3.8 / V; what the
@@ -123,7 +130,7 @@ class SettingResult:
         plain_s, plain_n = self.plain_step
         v = (target_s / steps) / (plain_s / plain_n) if steps and target_s > 0 and plain_n and plain_s > 0 \
             else float("nan")
-        predicted = theory.speedup(alpha, g, c) if ok else float("nan")
+        predicted = theory.speedup(a, g, c) if ok else float("nan")
         return {
             "setting": self.setting.label,
             "gamma": self.setting.gamma, "mean_gamma": mean_gamma,
@@ -132,7 +139,8 @@ class SettingResult:
             "alpha": alpha, "acceptance_rate": sum(s.accepted for s in self.stats) / beta_n if beta_n else float("nan"),
             "c": c,
             "tokens_per_round": tokens_per_round,
-            "expected_tokens_per_round": theory.expected_tokens(alpha, g) if ok else float("nan"),
+            "expected_tokens_per_round": theory.expected_tokens(a, g) if ok else float("nan"),
+            "keep_probability": alpha_test,
             "accepted_hist": hist,
             "plain_tokens_per_s": _med(self.plain_tps), "spec_tokens_per_s": _med(self.spec_tps),
             "plain_tokens_per_s_all": self.plain_tps, "spec_tokens_per_s_all": self.spec_tps,
@@ -156,11 +164,19 @@ def _decode_rate(total: list) -> float:
     return (tokens - firsts) / (seconds - ttft) if seconds > ttft and tokens > firsts else float("nan")
 
 
+def _finite(xs: Sequence[float]) -> list[float]:
+    """The repeats that have the quantity (a repeat whose outputs all stop at their first token
+    has no decode rate): a NaN would make a sorted statistic depend on the list's order."""
+    return [x for x in xs if math.isfinite(x)]
+
+
 def _med(xs: Sequence[float]) -> float:
+    xs = _finite(xs)
     return statistics.median(xs) if xs else float("nan")
 
 
 def _iqr(xs: Sequence[float]) -> list[float]:
+    xs = _finite(xs)
     if len(xs) < 2:
         return [float("nan"), float("nan")]
     q = statistics.quantiles(xs, n=4, method="inclusive")  # within the data ("exclusive" extrapolates)
@@ -307,10 +323,15 @@ def hardware_counters_note() -> str:
     if shutil.which("perf") is None:
         return "hardware counters: `perf` is not installed; bytes are counted from the bundle, not measured"
     try:
-        out = subprocess.run(["perf", "stat", "-x,", "-e", "cache-misses", "true"], capture_output=True,
-                             text=True, timeout=10).stderr
+        proc = subprocess.run(["perf", "stat", "-x,", "-e", "cache-misses", "true"], capture_output=True,
+                              text=True, timeout=10)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"hardware counters: perf failed ({exc}); bytes are counted from the bundle, not measured"
+    out = proc.stderr
     if "not supported" in out or "<not" in out:
         return "hardware counters: not exposed on this machine (perf reports <not supported>); bytes are counted, not measured"
+    counted = any(line.split(",")[0].strip().isdigit() and "cache-misses" in line for line in out.splitlines())
+    if proc.returncode != 0 or not counted:  # e.g. a distribution's wrapper without perf for this kernel
+        last = (out.strip().splitlines() or ["no output"])[-1][:120]
+        return f"hardware counters: perf does not work here ({last}); bytes are counted from the bundle, not measured"
     return "hardware counters: available (perf stat -e cache-misses works); run the bench under perf for a measured figure"

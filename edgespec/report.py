@@ -56,8 +56,11 @@ def format_table(rows: list[dict]) -> str:
     notes = ["speedup: end to end (prefill and first token included), the median of the per-repeat spec / plain "
              "ratios [their IQR]; decode: the rate after the first token "
              "(time per output token), the part a draft can speed up",
-             "V: a verify call's time in plain target steps (Theorem 3.8 assumes 1); Thm3.8/V: the prediction "
-             "with that measured cost"]
+             "c: a draft step's time over a verify call's; V: a verify call's time in plain target steps "
+             "(Theorem 3.8 assumes 1); Thm3.8/V: the prediction with that measured cost; with lenience < 1 the "
+             "theory columns use the test's keep probability, not alpha",
+             "fewer reads: the target's weight and KV bytes per token, plain over speculative (the draft's are "
+             "in bench.json)"]
     return "\n".join(lines + notes)
 
 

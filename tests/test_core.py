@@ -325,6 +325,10 @@ def test_lenience_raises_acceptance():
     for l in (1.0, 0.5, 0.1):
         r = generate(target, [1], cfg(max_new_tokens=2000, gamma=4, lenience=l), np.random.default_rng(0), draft)
         rates.append(r.stats.acceptance_rate)
+        st = r.stats
+        keep = st.keep_sum / st.beta_count  # the test's mean keep probability predicts the acceptance rate
+        assert keep == pytest.approx(st.acceptance_rate, abs=0.03), l
+        assert (keep > st.alpha + 0.05) if l < 1 else keep == st.alpha
     assert rates[0] < rates[1] < rates[2]
 
 

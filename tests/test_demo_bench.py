@@ -21,7 +21,7 @@ def test_demo_end_to_end_on_tiny_preset(tmp_path, monkeypatch, capsys):
     args = ["demo", "--preset", "tiny", "--repeats", "1", "--max-new-tokens", "8", "--corpus", *corpus]
     assert main(args) == 0
     out = capsys.readouterr().out
-    for needle in ("alpha (E[sum min(p, q)])", "c (draft step / target step)", "tokens/s plain",
+    for needle in ("alpha (E[sum min(p, q)])", "c (draft step / verify call)", "tokens/s plain",
                    "tokens/s speculative", "Theorem 3.8 predicts", "decode speedup (after 1st tok)",
                    "target bytes read per token", "hardware counters"):
         assert needle in out, needle
@@ -495,3 +495,54 @@ def test_graphs_script_labels_rows_by_the_bundles_layout(tmp_path, tiny_checkpoi
                      "--calls", "2"]) == 0
     text = (tmp_path / "o" / "graphs.md").read_text()
     assert "| target | static (static) |" in text and "| draft | concat (concat) |" in text
+
+
+def test_measurement_review_fixes(monkeypatch):
+    """Lenience < 1: the theory columns use the test's keep probability; NaN repeats (no decode
+    rate) are left out of medians and IQRs; c and V use the verify calls only; perf that fails
+    is not 'available'."""
+    import subprocess
+
+    from edgespec import measure
+    from edgespec.config import SamplingConfig
+    from edgespec.loop import GenerationStats
+    from edgespec.measure import Setting, SettingResult
+    from edgespec.theory import expected_tokens
+
+    st = GenerationStats(target_calls=11, target_s=0.15, draft_calls=40, draft_s=0.012, beta_sum=28.0, keep_sum=36.0,
+                         beta_count=40, rounds=10, drafted=40, round_tokens=40)
+    lenient = SettingResult(Setting(gamma=4, sampling=SamplingConfig(1.0), lenience=0.5), stats=[st],
+                            plain_step=[0.2, 20]).summary()
+    exact = SettingResult(Setting(gamma=4, sampling=SamplingConfig(1.0)), stats=[st], plain_step=[0.2, 20]).summary()
+    assert lenient["alpha"] == exact["alpha"] == pytest.approx(0.7) and lenient["keep_probability"] == pytest.approx(0.9)
+    assert lenient["expected_tokens_per_round"] == pytest.approx(expected_tokens(0.9, 4))
+    assert exact["expected_tokens_per_round"] == pytest.approx(expected_tokens(0.7, 4))
+    nan = float("nan")
+    assert measure._med([nan, 1, 2, 3, 4]) == measure._med([1, 2, nan, 3, 4]) == 2.5
+    assert measure._iqr([1, nan, 2, 3]) == measure._iqr([nan, 1, 2, 3])
+    # two plain steps (20 ms each) inside the run: not verify calls
+    mixed = GenerationStats(target_calls=13, target_s=0.19, plain_steps=2, plain_step_s=0.04, draft_calls=40,
+                            draft_s=0.012, beta_sum=28.0, keep_sum=28.0, beta_count=40, rounds=10, drafted=40)
+    r = SettingResult(Setting(gamma=4, sampling=SamplingConfig(0.0)), stats=[mixed], plain_step=[0.2, 20]).summary()
+    assert r["verify_cost_steps"] == pytest.approx(0.015 / 0.010) and mixed.c == pytest.approx(0.0003 / 0.015)
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/perf")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(
+        a, 2, "", "WARNING: perf not found for kernel 6.1\n"))
+    assert "perf does not work here" in measure.hardware_counters_note()
+
+
+def test_the_draft_is_prefilled_after_the_first_token():
+    """The first token costs what it costs without a draft (time to first token, decode rate)."""
+    import numpy as np
+
+    from edgespec.config import GenerationConfig
+    from edgespec.loop import iter_generate
+    from edgespec.toy import toy_pair
+
+    target, draft = toy_pair(16, 2, 0.3)
+    it = iter_generate(target, [1, 2, 3], GenerationConfig(max_new_tokens=10, gamma=3), np.random.default_rng(0),
+                       draft=draft)
+    next(it)
+    assert target.calls == 1 and draft.calls == 0
+    next(it)
+    assert draft.calls >= 1
