@@ -535,6 +535,7 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     """
     from tokenizers import Tokenizer
 
+    from .export.tokenizer_check import tokenizer_size
     from .runtimes.onnx_backend import PROVIDER_ALIASES, SessionConfig, open_backend, provider_names, resolve_providers
 
     for name, v in (("threads", threads), ("draft_threads", draft_threads)):
@@ -564,7 +565,7 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     except Exception as exc:  # tokenizers raises a bare Exception on malformed JSON
         raise BundleError(f"{tok_path} cannot be read ({exc}); re-export the bundle") from exc
     # the ids generation samples from are the tokenizer's (BundleManifest.sample_vocab_size)
-    size = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    size = tokenizer_size(tokenizer.get_vocab(with_added_tokens=True))
     for m in (tm, manifest.draft if load_draft else None):
         if m is not None and m.tokenizer_size != size:
             raise BundleError(f"{root}: the manifest says the {m.path} tokenizer has {m.tokenizer_size} ids; the tokenizer "

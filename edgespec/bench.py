@@ -56,6 +56,9 @@ def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), t
     return OpenedBundle(wrap_t, wrap_d, tokenizer, manifest, runtime, eng.verify_width())
 
 
+DEFAULT_MAX_NEW_TOKENS = 96  # per prompt; the demo's follow-up suggestion checks that it fits
+
+
 def _parse_list(text: str, cast, name: str) -> list:
     try:
         values = [cast(x) for x in text.split(",") if x.strip()]
@@ -100,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the target verifies, on a second thread) (default model)")
     p.add_argument("--prompts", type=Path, default=None,
                    help="text file, prompts separated by lines holding only '---' (default: built-in held-out code prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--repeats", type=int, default=5, help="measured repeats after one warm-up (default 5)")
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--provider", default="cpu", help="execution providers, comma list in priority order")

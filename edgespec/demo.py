@@ -59,7 +59,7 @@ def _fmt(x: float, spec: str = ".3f") -> str:
 
 def run(args: argparse.Namespace) -> int:
     from .api import load
-    from .bench import open_bundle
+    from .bench import DEFAULT_MAX_NEW_TOKENS, open_bundle
     from .generate_cli import parse_gamma
     from .pair import get_preset, train_pair
 
@@ -140,9 +140,9 @@ def run(args: argparse.Namespace) -> int:
                   f"({row['target_read_reduction']:.2f}x fewer; draft adds {row['draft_bytes_per_token_spec'] / 1e6:.2f} MB)")
     print(f"\n{hardware_counters_note()}")
     longest = max(len(eng.encode(p)) for p in CODE_PROMPTS)
-    fits = longest + 96 <= eng.manifest.target.max_positions  # bench's prompts, untrimmed, and its 96 new tokens
+    fits = longest + DEFAULT_MAX_NEW_TOKENS <= eng.manifest.target.max_positions  # bench's prompts, untrimmed
     print(f"total demo time {time.perf_counter() - t_all:.0f} s. Next: `edgespec bench {shlex.quote(str(bundle))}"
           + ("` for the full grid." if fits else " --prompts FILE --max-new-tokens N` for the full grid (the built-in "
-             f"prompts, up to {longest} tokens, and 96 new tokens do not fit this model's "
+             f"prompts, up to {longest} tokens, and {DEFAULT_MAX_NEW_TOKENS} new tokens do not fit this model's "
              f"{eng.manifest.target.max_positions} positions)."))
     return 0

@@ -83,12 +83,12 @@ def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> st
     return "".join(parts)
 
 
-def _check_flags(args: argparse.Namespace) -> None:
+def _check_flags(args: argparse.Namespace, gamma: int | None) -> None:
     """Flags that contradict each other or do nothing in this combination are errors, not ignored."""
     if args.no_draft and args.draft != "model":
         raise InvalidArgumentError(f"--no-draft decodes with the target alone; drop --draft {args.draft} "
                                    "(or drop --no-draft to draft with it)")
-    if args.no_draft and parse_gamma(args.gamma) is not None:
+    if args.no_draft and gamma is not None:
         raise InvalidArgumentError("--no-draft decodes with the target alone: --gamma has no effect; drop one of them")
     if args.json and args.show_drafts:
         raise InvalidArgumentError("--json already gives each token's source ('sources'); drop --show-drafts or --json")
@@ -120,18 +120,19 @@ def run(args: argparse.Namespace) -> int:
     from .api import default_target_threads, load
     from .report import json_safe
 
-    _check_flags(args)
+    gamma = parse_gamma(args.gamma)
+    _check_flags(args, gamma)
     spin = False if args.no_spin else None
     threads = default_target_threads(args.draft == "lookahead") if args.threads is None else args.threads
     engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=threads,
                   draft_threads=1 if args.draft_threads is None else args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",
                   runtime=args.runtime, platform=args.platform)
-    if not engine.has_draft and args.draft != "ngram" and not args.no_draft and parse_gamma(args.gamma) is not None:
+    if not engine.has_draft and args.draft != "ngram" and not args.no_draft and gamma is not None:
         raise InvalidArgumentError(f"{args.bundle} has no draft model, so --gamma has no effect (plain decoding); "
                                    "export it with --draft, draft by prompt lookup with --draft ngram, or drop --gamma")
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                  gamma=parse_gamma(args.gamma), lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft,
+                  gamma=gamma, lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft,
                   drafter=args.draft)
     # Appendix A.5: l < 1 keeps more drafts, so the output is no longer the target's distribution
     # (greedy is unaffected: a draft is kept only if it is the target's argmax).

@@ -165,12 +165,13 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     examined = min(n + 1, g)  # positions whose prefix the target agreed with
     # beta = sum_x min(p, q) per examined position; with p one-hot on a that is q(a).
     beta = q[np.arange(examined), a[:examined]] if sampling.greedy else overlap(p[:examined], q[:examined])
-    stats.beta_sum += float(beta.sum())
+    beta_total = float(beta.sum())
+    stats.beta_sum += beta_total
     stats.beta_count += examined
     # The test keeps x with probability min(1, p(x) / (l q(x))): on average sum_x min(q, p / l) per
     # position (Appendix A.5), beta itself at l = 1 and at greedy (greedy_verdict ignores l).
     lenient = not sampling.greedy and config.lenience < 1
-    stats.keep_sum += float(np.minimum(q[:examined], p[:examined] / config.lenience).sum()) if lenient else float(beta.sum())
+    stats.keep_sum += float(np.minimum(q[:examined], p[:examined] / config.lenience).sum()) if lenient else beta_total
     # Roll back by moving positions: the target keeps pending + x_1..x_n, the new pending token
     # is the verdict's; the draft keeps at most the same prefix.
     target.rewind_to(target.length - g + n)

@@ -99,8 +99,9 @@ class SettingResult:
         alpha = beta_sum / beta_n if beta_n else float("nan")
         draft_calls = sum(s.draft_calls for s in self.stats)
         # the verify calls only (prefill and plain steps inside the runs excluded), for c and V
-        steps = sum(s.verify[1] for s in self.stats)
-        draft_s, target_s = sum(s.draft_s for s in self.stats), sum(s.verify[0] for s in self.stats)
+        verify = [s.verify for s in self.stats]
+        target_s, steps = sum(v[0] for v in verify), sum(v[1] for v in verify)
+        draft_s = sum(s.draft_s for s in self.stats)
         c = (draft_s / draft_calls) / (target_s / steps) if draft_calls and steps and target_s > 0 else float("nan")
         # lenience < 1 (Appendix A.5): the test keeps more than min(p, q), so the theory columns take
         # the mean keep probability; alpha stays the paper's E[sum min(p, q)]

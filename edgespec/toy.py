@@ -97,6 +97,8 @@ def toy_pair(vocab_size: int = 32, order: int = 2, noise: float = 0.7, seed: int
 # ----------------------------------------------------------------------------- CLI: edgespec toy
 TOY_MAX_ENTRIES = 1 << 24   # 64 MB of float32 per model table
 TOY_MAX_TOKENS = 1_000_000
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--order", type=int, default=2, help="n-gram order of the toy models")

@@ -202,7 +202,7 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
         warnings.warn(f"{role}: {ckpt.path} uses length-dependent rotary scaling (longrope): its factors change past "
                       f"{switch} tokens and the exported graph keeps the short ones, so the bundle is limited to "
                       f"{switch} positions (prompt + new tokens); longer contexts are refused at run time", EdgeSpecWarning, stacklevel=2)
-    reach = validate.LONG_TOKENS if seq2seq else min(validate.LONG_TOKENS, _max_positions(ckpt))
+    reach = validate.validated_positions(None if seq2seq else _max_positions(ckpt))
     progress(f"{role}: validating ONNX Runtime vs PyTorch (prefill, 1-token and {validate.MULTI_STEP_TOKENS}-token steps, "
              f"a rewound round, {reach} {'decoder ' if seq2seq else ''}positions)")
     record = {"fp32": run_validation(f"{role} (fp32)", opts.atol)}
@@ -292,9 +292,10 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
                                    f"(opset {static_kv.OPSET}): drop --opset, or add --graph optimum")
     for ckpt in roles.values():  # cheap checks of what is read after the export, before it
         _eos_ids(ckpt.path, ckpt.config)
-        if ckpt.kind == contract.KIND_DECODER and _max_positions(ckpt) < validate.MIN_POSITIONS:
+        positions = _max_positions(ckpt) if ckpt.kind == contract.KIND_DECODER else None
+        if positions is not None and positions < validate.MIN_POSITIONS:
             raise UnsupportedArchitectureError(
-                f"{ckpt.path} has {_max_positions(ckpt)} positions; edgespec validates and speculates over at least "
+                f"{ckpt.path} has {positions} positions; edgespec validates and speculates over at least "
                 f"{validate.MIN_POSITIONS} tokens: export a model with more positions")
     if xla is not None:
         if options.quantize_target != "none":

@@ -65,14 +65,22 @@ def _float_type(sess, name: str):
     return np.float16 if "float16" in t else np.float32
 
 
-def _plan(positions: int) -> list[tuple[str, int, bool]]:
-    """(stage, tokens, junk) in call order for a sequence of ``positions`` tokens: prefill, 1-token
-    step, k-token step, then (room permitting) k junk tokens that are rewound, and k-token steps."""
-    plan = [("prefill", PREFILL_TOKENS, False), ("step_1", 1, False), (f"step_{MULTI_STEP_TOKENS}", MULTI_STEP_TOKENS, False)]
-    if positions >= MIN_POSITIONS + MULTI_STEP_TOKENS:
+def validated_positions(max_positions: int | None) -> int:
+    """How far validation runs: LONG_TOKENS, or the model's positions if fewer (None: no limit,
+    T5's relative positions). Callers refuse models below MIN_POSITIONS first."""
+    return LONG_TOKENS if max_positions is None else min(max_positions, LONG_TOKENS)
+
+
+def _plan(positions: int, prefill: int = PREFILL_TOKENS) -> list[tuple[str, int, bool]]:
+    """(stage, tokens, junk) in call order for a sequence of ``positions`` tokens: a prefill of
+    ``prefill`` tokens, a 1-token step, a k-token step, then (room permitting) k junk tokens that
+    are rewound, and the steps after the rewind."""
+    plan = [("prefill", prefill, False), ("step_1", 1, False), (f"step_{MULTI_STEP_TOKENS}", MULTI_STEP_TOKENS, False)]
+    done = prefill + 1 + MULTI_STEP_TOKENS
+    if positions >= done + MULTI_STEP_TOKENS:
         # after the junk, a 1- and a 2-token step: the stale junk tail lies past the next calls' mask
         plan.append(("rejected", MULTI_STEP_TOKENS, True))
-        done, widths = MIN_POSITIONS, iter((1, 2))
+        widths = iter((1, 2))
         while done < positions:
             k = min(next(widths, MULTI_STEP_TOKENS), positions - done)
             plan.append(("after_rewind", k, False))
@@ -87,7 +95,7 @@ def logits_range(ref_logits: np.ndarray) -> float:
 
 
 def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, seed: int = 0,
-                     static: bool = False, max_positions: int = LONG_TOKENS) -> tuple[dict, float]:
+                     static: bool = False, max_positions: int | None = None) -> tuple[dict, float]:
     """``static``: a static-KV graph (past and present are buffers of a fixed capacity; here the
     validated length, present[:, :, :end] is compared), else a concat graph (past starts empty).
     Returns the stages' differences and the reference's logits_range."""
@@ -102,10 +110,7 @@ def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, see
     ftype = _float_type(sess, past_names[0])
 
     rng = np.random.default_rng(seed)
-    total = min(max_positions, LONG_TOKENS)
-    if total < MIN_POSITIONS:
-        raise ValidationError(f"the model has {max_positions} positions; edgespec validates (and speculates over) at "
-                              f"least {MIN_POSITIONS}: export a model with more positions")
+    total = validated_positions(max_positions)
     ids = rng.integers(0, vocab_limit, size=(1, total), dtype=np.int64)
     junk = rng.integers(0, vocab_limit, size=(1, MULTI_STEP_TOKENS), dtype=np.int64)
     with torch.no_grad():
@@ -166,7 +171,7 @@ def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, dec
     rng = np.random.default_rng(seed)
     src = rng.integers(0, vocab_limit, size=(1, PREFILL_TOKENS), dtype=np.int64)
     mask = np.ones_like(src)
-    total = LONG_TOKENS
+    total = validated_positions(None)
     tgt = np.concatenate([[[decoder_start]], rng.integers(0, vocab_limit, size=(1, total - 1))], axis=1).astype(np.int64)
     junk = rng.integers(0, vocab_limit, size=(1, MULTI_STEP_TOKENS), dtype=np.int64)
     with torch.no_grad():
@@ -196,8 +201,7 @@ def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, dec
     stages["prefill"] = diffs
 
     start = 1
-    plan = [(stage, k, rejected) for stage, k, rejected in _plan(total + PREFILL_TOKENS - 1)[1:]]  # the decoder's 1 token is the prefill
-    for stage, k, rejected in plan:
+    for stage, k, rejected in _plan(total, prefill=1)[1:]:  # the decoder's prefill (1 token) ran above
         end = start + k
         feed = {contract.DECODER_INPUT_IDS: junk[:, :k] if rejected else tgt[:, start:end],
                 contract.DECODER_ENCODER_ATTENTION_MASK: mask, **dict(zip(self_past, past)), **dict(zip(cross_past, cross))}

@@ -73,13 +73,11 @@ def _device_for(platform: str):
     return None
 
 
-def _check_fields(manifest: Any, mpath: Path) -> None:
+def _check_fields(manifest: dict, mpath: Path) -> None:
     """The xla.json fields the backend reads, with their types (a BundleError naming the field)."""
     def bad(what: str) -> BundleError:
         return BundleError(f"{mpath}: {what}; re-export the model")
 
-    if not isinstance(manifest, dict):
-        raise bad("the manifest is not a JSON object")
     ints = ["vocab_size", "max_length", "verify_width"] + (["max_source_length"] if manifest.get("encoder_decoder") else [])
     for name in ints:
         v = manifest.get(name)
@@ -176,6 +174,8 @@ class XlaBackend:
             manifest = json.loads(mpath.read_text())
         except (OSError, ValueError) as exc:
             raise BundleError(f"{mpath} is not valid JSON ({exc}); re-export the model") from exc
+        if not isinstance(manifest, dict):
+            raise BundleError(f"{mpath}: the manifest is not a JSON object; re-export the model")
         if manifest.get("format") != FORMAT:
             raise BundleError(f"{mpath} is not an edgespec XLA manifest (format={manifest.get('format')!r}); re-export")
         if manifest.get("format_version") != FORMAT_VERSION:
