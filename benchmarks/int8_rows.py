@@ -1,11 +1,13 @@
 """Does a row's output depend on the other rows of the call, and what does an extra row cost? fp32
-vs the two int8 schemes edgespec's exporter writes (dynamic for drafts, blockwise for targets).
+vs the int8 schemes edgespec's exporter writes (dynamic for drafts, rowwise for targets) and the
+blockwise scheme it wrote for targets before.
 
     python benchmarks/int8_rows.py --out benchmarks/results/bench/int8-rows
 
 A graph of twelve independent [512, 4096] MatMuls (101 MB of fp32 weights, like the bench target),
-converted with edgespec's own `quantize_int8` (ONNX Runtime dynamic quantization) and
-`quantize_int8_blockwise` (MatMulNBits, 8 bits). Per scheme, one intra-op thread: the median time of
+converted with edgespec's own `quantize_int8` (ONNX Runtime dynamic quantization),
+`quantize_int8_rowwise` (MatMulInteger, one activation scale per row) and `quantize_int8_blockwise`
+(MatMulNBits, 8 bits). Per scheme, one intra-op thread: the median time of
 a call with 1 and with k rows, and two exactness checks on row 0: a 1-row call against the first row
 of a k-row call, and a k-row call against the same call with only its last row changed. A speculative
 target must pass the second check exactly (0.0); the first differs by kernel rounding at most.
@@ -69,7 +71,7 @@ def measure(path: Path, rows: int, calls: int) -> dict:
 
 def main(argv=None) -> int:
     from edgespec.cli import at_least
-    from edgespec.export.quantize import quantize_int8, quantize_int8_blockwise
+    from edgespec.export.quantize import quantize_int8, quantize_int8_blockwise, quantize_int8_rowwise
     from edgespec.report import machine_description, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -82,7 +84,8 @@ def main(argv=None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, convert in (("fp32", None), ("int8 dynamic (drafts)", quantize_int8),
-                              ("int8 blockwise (targets)", quantize_int8_blockwise)):
+                              ("int8 rowwise (targets)", quantize_int8_rowwise),
+                              ("int8 blockwise (targets before 2026-11-30)", quantize_int8_blockwise)):
             path = Path(tmp) / f"{len(results)}.onnx"
             build(path)
             if convert is not None:

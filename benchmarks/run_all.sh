@@ -3,8 +3,9 @@
 #   bash benchmarks/run_all.sh [PRESET]      PRESET: bench (default) or quick
 # Training runs once (bench: the pair ~40 min, the distilled drafts ~2 h more), then every measurement.
 # Not rerun: results/bench/distill/*.json (copies of the drafts' own distill.json, written by the
-# distill runs below) and bench-int8-target* (a dynamic-int8 target, which the exporter no longer
-# writes: `--quantize int8` now makes the exact blockwise target, measured in bench-int8-blockwise-target).
+# distill runs below), bench-int8-target* (a dynamic-int8 target), bench-int8-blockwise-target and
+# call-width-large4-int8t-blockwise (a blockwise int8 target): the exporter writes neither any more;
+# `--quantize int8` now makes the per-token (rowwise) int8 target, measured in bench-int8-rowwise-*.
 # Run it on an otherwise idle machine: every figure is a wall-clock measurement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,8 +44,8 @@ large3=$(bundle_of large3-int8 "$pair/distilled-large3" --quantize-draft int8)
 large4=$(bundle_of large4-int8 "$pair/distilled-large4" --quantize-draft int8)
 large5=$(bundle_of large5-int8 "$pair/distilled-large5" --quantize-draft int8)
 deep4=$(bundle_of deep4-int8 "$pair/distilled-large4-deep4" --quantize-draft int8)
-# the target in int8 too (weight-only blockwise, exact: a different, quantized target)
-large4_q=$(bundle_of large4-int8t-blockwise "$pair/distilled-large4" --quantize int8)
+# the target in int8 too (per-token int8, exact: a different, quantized target)
+large4_q=$(bundle_of large4-int8t-rowwise "$pair/distilled-large4" --quantize int8)
 
 # 1. the bench grid (issue 4 targets, issue 8 adaptive vs static) with the best draft, 1 thread per
 #    model and 2 threads for the target
@@ -64,7 +65,8 @@ for run in a b; do
   edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-s9$run"
   edgespec bench "$deep4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-deep4-s9$run"
 done
-edgespec bench "$large4_q" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-blockwise-target"
+edgespec bench "$large4_q" --gammas 4,5,6,8,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-rowwise-target"
+edgespec bench "$large4_q" --gammas 5,6,auto --temperatures 0,1 --draft model,lookahead --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-rowwise-lookahead"
 #    the decode-rate columns (run twice) and the lookahead drafter beside the model drafter
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-decode"
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-decode-again"
@@ -79,6 +81,9 @@ edgespec bench "$small" --gammas 2,4 --temperatures 0,1 --threads 2 --draft-thre
 python benchmarks/graphs.py --static "$pair_bundle" --concat "$pair/bundles/pair-draft-optimum" --out "$out/graphs"
 # 2c. the MatMul kernel alone: int8 schemes' row independence, and what extra verified rows cost in fp32
 python benchmarks/int8_rows.py --out "$out/int8-rows"
+#     and what the call's width does to the target's logits and to greedy identity, fp32 vs int8 targets
+python benchmarks/call_width.py "$large4" --out "$out/call-width-large4-int8"
+python benchmarks/call_width.py "$large4_q" --out "$out/call-width-large4-int8t-rowwise"
 python benchmarks/verify_width.py --out "$out/verify-width"
 # 3. what a draft-length policy can gain at greedy (static sweep, adaptive, best threshold, oracle)
 python benchmarks/adaptive_bound.py "$large" --out "$out/adaptive-bound"

@@ -598,7 +598,7 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
             f"{root}: the target was quantized with dynamic int8 (edgespec before 2026-11-30), whose logits at a "
             "position depend on the other tokens in the same call, so speculative output (draft model or ngram) is "
             "not distributed exactly as plain decoding's; re-export the bundle (`edgespec export --quantize-target "
-            "int8` now writes a causal weight-only int8 target)", EdgeSpecWarning, stacklevel=2)
+            "int8` now writes a causal per-token int8 target)", EdgeSpecWarning, stacklevel=2)
     return Engine(root, manifest, target, draft, tokenizer, target_threads=threads if runtime == "onnx" else None)
 
 

@@ -46,7 +46,7 @@ class ModelManifest:
     head_size: int
     max_positions: int
     dtype: str  # "fp32" | "fp16": dtype of activations / KV cache
-    quantization: str  # "none" | "int8-blockwise" (target) | "int8-dynamic" (draft; older targets)
+    quantization: str  # "none" | "int8-rowwise" (target) | "int8-dynamic" (draft; older targets) | "int8-blockwise" (older targets)
     parameter_bytes: dict[str, int]  # total / per_forward (weights read by one decoder forward) / encoder
     validation: dict[str, Any] = field(default_factory=dict)
     kv_layout: str = contract.KV_CONCAT  # contract.KV_LAYOUTS; bundles written before static graphs: concat

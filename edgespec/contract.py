@@ -17,7 +17,10 @@ ROLE_DRAFT = "draft"
 # Manifest "quantization" of a model quantized with ONNX Runtime's dynamic int8 (one activation
 # scale per call): fine for a draft, not for a target (see export/quantize.py).
 QUANT_DYNAMIC_INT8 = "int8-dynamic"
-QUANT_LABELS = ("none", "int8-blockwise", QUANT_DYNAMIC_INT8)  # a model's "quantization" in the manifest
+# A target's int8: activations quantized per token (rowwise: MatMulInteger; blockwise: MatMulNBits,
+# written before 2026-11-30), so a position's logits do not depend on the rest of the call.
+QUANT_ROWWISE_INT8 = "int8-rowwise"
+QUANT_LABELS = ("none", QUANT_ROWWISE_INT8, "int8-blockwise", QUANT_DYNAMIC_INT8)  # a model's "quantization" in the manifest
 DTYPES = ("fp32", "fp16")  # a model's "dtype": activations and KV cache
 BUNDLE_FORMAT = "edgespec-bundle"  # the manifest's "format"
 

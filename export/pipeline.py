@@ -31,7 +31,7 @@ from edgespec.outputs import check_replaceable, check_writable, swap_into_place,
 
 from . import graph_info, static_kv, validate
 from .checkpoint import Checkpoint, inspect_checkpoint
-from .quantize import QUANT_CHOICES, QUANT_LABEL, check_dtype, quantize_int8, quantize_int8_blockwise
+from .quantize import QUANT_CHOICES, QUANT_LABEL, check_dtype, quantize_int8, quantize_int8_rowwise
 from .tokenizer_check import check_model_covers_tokenizer, load_vocab, shared_vocab, tokenizer_size
 
 DEFAULT_ATOL = 1e-3  # fp32 ORT vs PyTorch on logits and KV (typical real-model diffs: 1e-5..1e-4)
@@ -207,10 +207,10 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
              f"a rewound round, {reach} {'decoder ' if seq2seq else ''}positions)")
     record = {"fp32": run_validation(f"{role} (fp32)", opts.atol)}
     if quant == "int8":
-        blockwise = role == contract.ROLE_TARGET  # see quantize_int8_blockwise: a target must stay causal
-        progress(f"{role}: int8 {'weight-only (blockwise)' if blockwise else 'dynamic'} quantization")
-        if blockwise:
-            if not sum(quantize_int8_blockwise(folder / name) for name in files.values()):
+        causal = role == contract.ROLE_TARGET  # see quantize_int8_rowwise: a target must stay causal
+        progress(f"{role}: int8 {'per-token (rowwise)' if causal else 'dynamic'} quantization")
+        if causal:
+            if not sum(quantize_int8_rowwise(folder / name) for name in files.values()):
                 warnings.warn(f"{role}: no MatMul with a constant fp32 weight was found to quantize (Gemm nodes and "
                               "weights fed through other ops stay fp32); the target is exported in fp32 precision",
                               EdgeSpecWarning, stacklevel=2)

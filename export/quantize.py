@@ -10,8 +10,8 @@ from edgespec import contract
 from edgespec.errors import InvalidArgumentError
 
 QUANT_CHOICES = ("none", "int8")
-# What "int8" means per role (see quantize_int8_blockwise for why the target's differs).
-QUANT_LABEL = {contract.ROLE_TARGET: {"none": "none", "int8": "int8-blockwise"},
+# What "int8" means per role (see quantize_int8_rowwise for why the target's differs).
+QUANT_LABEL = {contract.ROLE_TARGET: {"none": "none", "int8": contract.QUANT_ROWWISE_INT8},
                contract.ROLE_DRAFT: {"none": "none", "int8": contract.QUANT_DYNAMIC_INT8}}
 # Graphs above this size are quantized to a graph with external data: a protobuf cannot hold 2 GB
 # (the embedding tables stay fp32, so a large-vocabulary draft can exceed it).
@@ -48,53 +48,179 @@ def quantize_int8(graph: Path) -> None:
     _replace(tmp, graph)  # the fp32 weights' file goes
 
 
-def quantize_int8_blockwise(graph: Path, block: int = BLOCK) -> int:
-    """Weight-only int8 for a target, in place: every MatMul with a constant [K, N] fp32 weight becomes
-    an ONNX Runtime MatMulNBits (8 bits, one scale per ``block`` weights along K, accuracy level 4).
-    Returns the number of MatMuls converted.
+def quantize_int8_rowwise(graph: Path) -> int:
+    """Per-token int8 for a target, in place: every MatMul with a constant [K, N] fp32 weight becomes
+    an int8 MatMulInteger between per-row quantized activations and per-column quantized weights,
+    followed by the two scales. Returns the number of MatMuls converted.
 
     Why not dynamic quantization (used for drafts): it quantizes a call's activations with ONE scale
     over all its tokens, so the logits at a position depend on the other tokens in the same call,
     later ones included. The target then is not a fixed causal model: a verify call of gamma + 1
     tokens and plain decoding's 1-token calls see different logits, and the speculative output is not
-    distributed as plain decoding's (Appendix A.1 needs the p of the plain model). Here each row of
-    activations is quantized on its own (per row and block, inside the kernel), so a position's
-    logits do not depend on what else is in the call. A draft may be any function of its context:
-    q only has to be the distribution the drafted token was sampled from, so drafts keep the faster
-    dynamic scheme.
-    """
-    import onnx
-    import numpy as np
-    from onnx import helper, numpy_helper
+    distributed as plain decoding's (Appendix A.1 needs the p of the plain model). Here each row
+    (token) of activations gets its own scale, max |x| / 127, computed by row-wise ops, and the int8
+    product is exact integer arithmetic, so a position's logits do not depend on the other tokens of
+    the call (bit for bit: tested). Unlike MatMulNBits (the blockwise scheme below, which also
+    quantizes per token) the k rows of a verify call run as one int8 GEMM: on the twelve [512, 4096]
+    MatMuls of ``benchmarks/int8_rows.py``, 6 rows cost 1.2x one row here against 1.9x blockwise.
+    A draft may be any function of its context (q only has to be the distribution the drafted token
+    was sampled from), so drafts keep the dynamic scheme.
 
-    model = onnx.load(str(graph))  # with its external data
-    g = model.graph
-    # A weight that is also a graph input can be overridden at run time: not a constant, left alone.
-    inputs = {i.name for i in g.input}
-    inits = {t.name: t for t in g.initializer if t.name not in inputs}
+    What stays (both schemes): a position's logits depend on the call's width by more than an fp32
+    graph's do. ONNX Runtime's CPU attention multiplies a 1-token call's probabilities by V with
+    another GEMM kernel than a k-token call's (MLAS's M = 1 path), about 1e-7 apart; when such a
+    difference moves an activation across a rounding boundary of its int8 grid, the row changes by
+    one quantization step. On the bench target: up to 0.12 in the logits, a total variation of at
+    most 0.008 between the two softmaxes (fp32: 1e-5 and 1e-6; ``benchmarks/call_width.py``).
+    """
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    model, g, opset = _load_for_rewrite(graph)
+    names = _names_taken(g)
+
+    def fresh(base: str) -> str:
+        name, i = base, 1
+        while name in names:
+            name, i = f"{base}.{i}", i + 1
+        names.add(name)
+        return name
+
+    consts = {key: fresh(f"edgespec.rowq.{key}") for key in ("tiny", "inv127", "zp", "offset", "lo", "hi", "axes")}
+    g.initializer.extend([
+        numpy_helper.from_array(np.array(1e-30, np.float32), consts["tiny"]),     # an all-zero row: scale > 0
+        numpy_helper.from_array(np.array(1 / 127, np.float32), consts["inv127"]),
+        numpy_helper.from_array(np.array(128, np.uint8), consts["zp"]),           # uint8 x int8: the fast kernel
+        numpy_helper.from_array(np.array(128, np.float32), consts["offset"]),
+        numpy_helper.from_array(np.array(0, np.float32), consts["lo"]),
+        numpy_helper.from_array(np.array(255, np.float32), consts["hi"]),
+        numpy_helper.from_array(np.array([-1], np.int64), consts["axes"])])
+    rows: dict[str, tuple[str, str]] = {}    # activation name -> (uint8 rows, row scales)
+
+    def quantize_rows(x: str) -> tuple[str, str]:
+        # Symmetric per row: s = max_k |x_k| / 127 (shape [..., 1]), q = round(x / s) + 128 in [1, 255].
+        # Every op here reads one row, so a row's q and s depend on that row only.
+        if x not in rows:
+            t = {k: fresh(f"{x}.rowq.{k}") for k in ("abs", "max", "pos", "s", "div", "round", "shift", "clip", "q")}
+            reduce = (helper.make_node("ReduceMax", [t["abs"], consts["axes"]], [t["max"]], keepdims=1) if opset >= 18
+                      else helper.make_node("ReduceMax", [t["abs"]], [t["max"]], axes=[-1], keepdims=1))
+            new_nodes.extend([
+                helper.make_node("Abs", [x], [t["abs"]]), reduce,
+                helper.make_node("Max", [t["max"], consts["tiny"]], [t["pos"]]),
+                helper.make_node("Mul", [t["pos"], consts["inv127"]], [t["s"]]),
+                helper.make_node("Div", [x, t["s"]], [t["div"]]),
+                helper.make_node("Round", [t["div"]], [t["round"]]),                # half to even, like QuantizeLinear
+                helper.make_node("Add", [t["round"], consts["offset"]], [t["shift"]]),
+                helper.make_node("Clip", [t["shift"], consts["lo"], consts["hi"]], [t["clip"]]),
+                helper.make_node("Cast", [t["clip"]], [t["q"]], to=TensorProto.UINT8)])
+            rows[x] = (t["q"], t["s"])
+        return rows[x]
+
+    packed: dict[str, tuple[str, str]] = {}  # weight name -> (int8 weight, column scales)
+    new_nodes: list = []
+    converted = 0
+    for node, w_name, w in _constant_matmuls(g):
+        if w is None:
+            new_nodes.append(node)
+            continue
+        if w_name not in packed:
+            q, scale = _quantize_columns(w)
+            packed[w_name] = (fresh(w_name + ".int8"), fresh(w_name + ".col_scales"))
+            g.initializer.extend([numpy_helper.from_array(q, packed[w_name][0]),
+                                  numpy_helper.from_array(scale, packed[w_name][1])])
+        q_x, s_x = quantize_rows(node.input[0])
+        q_w, s_w = packed[w_name]
+        out = node.output[0]
+        acc, acc_f, row_scaled = fresh(out + ".int32"), fresh(out + ".float"), fresh(out + ".row_scaled")
+        # y = (sum_k (q_x - 128) q_w) * s_x * s_w: exact int32 accumulation, then per-row and per-column scales.
+        new_nodes.extend([helper.make_node("MatMulInteger", [q_x, q_w, consts["zp"]], [acc], name=node.name),
+                          helper.make_node("Cast", [acc], [acc_f], to=TensorProto.FLOAT),
+                          helper.make_node("Mul", [acc_f, s_x], [row_scaled]),
+                          helper.make_node("Mul", [row_scaled, s_w], [out])])
+        converted += 1
+    _save_rewrite(model, g, new_nodes, graph)
+    return converted
+
+
+def _quantize_columns(w):
+    """Symmetric int8 per output column of a [K, N] weight: (q [K, N] int8, scale [N] float32)."""
+    import numpy as np
+
+    scale = np.abs(w).max(0).astype(np.float64) / 127.0                          # [N]
+    scale[scale == 0] = 1.0
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)                   # [K, N]
+    return q, scale.astype(np.float32)
+
+
+def quantize_int8_blockwise(graph: Path, block: int = BLOCK) -> int:
+    """Weight-only int8, in place: every MatMul with a constant [K, N] fp32 weight becomes an ONNX
+    Runtime MatMulNBits (8 bits, one scale per ``block`` weights along K, accuracy level 4, which
+    quantizes activations per token inside the kernel: causal, like the rowwise scheme). Returns the
+    number of MatMuls converted. The exporter wrote targets this way before the rowwise scheme; it
+    stays for ``benchmarks/int8_rows.py``, whose comparison is why targets changed: its verify calls
+    cost far more than its 1-token steps (each extra row is another pass of the kernel).
+    """
+    from onnx import helper
+
+    model, g, _ = _load_for_rewrite(graph)
     packed: dict[str, tuple[str, str, int, int]] = {}
     nodes, converted = [], 0
-    for node in g.node:
-        w_name = node.input[1] if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
-        if w_name in inits and w_name not in packed:
-            w = numpy_helper.to_array(inits[w_name])
-            if w.ndim == 2 and w.dtype == np.float32 and w.shape[0] >= 16:
-                packed[w_name] = _pack_int8(g, w_name, w, block)
-        if w_name not in packed:
+    for node, w_name, w in _constant_matmuls(g):
+        if w is None:
             nodes.append(node)
             continue
+        if w_name not in packed:
+            packed[w_name] = _pack_int8(g, w_name, w, block)
         b_name, s_name, k, n = packed[w_name]
         nodes.append(helper.make_node("MatMulNBits", [node.input[0], b_name, s_name], list(node.output), name=node.name,
                                       domain="com.microsoft", K=k, N=n, bits=8, block_size=block, accuracy_level=4))
         converted += 1
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    _save_rewrite(model, g, nodes, graph)
+    return converted
+
+
+def _load_for_rewrite(graph: Path):
+    """(model with its external data, its graph, its default-domain opset)."""
+    import onnx
+
+    model = onnx.load(str(graph))
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    if opset < 11:  # Round, Clip with min/max inputs
+        raise InvalidArgumentError(f"{graph}: int8 quantization needs ONNX opset 11 or later; this graph has opset {opset}. "
+                                   "Re-export with --opset 14 or later")
+    return model, model.graph, opset
+
+
+def _constant_matmuls(g):
+    """Yield (node, weight name, weight) per node of ``g``; the weight is None unless the node is a
+    MatMul by a constant 2-D fp32 [K >= 16, N] initializer (a weight that is also a graph input can
+    be overridden at run time: not a constant, left alone)."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    inputs = {i.name for i in g.input}
+    inits = {t.name: t for t in g.initializer if t.name not in inputs}
+    arrays: dict[str, object] = {}
+    for node in list(g.node):
+        w_name = node.input[1] if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
+        if w_name in inits and w_name not in arrays:
+            w = numpy_helper.to_array(inits[w_name])
+            arrays[w_name] = w if w.ndim == 2 and w.dtype == np.float32 and w.shape[0] >= 16 else None
+        yield node, w_name, arrays.get(w_name)
+
+
+def _save_rewrite(model, g, nodes: list, graph: Path) -> None:
+    """Give ``g`` its new nodes, drop initializers nothing reads any more, and write it over ``graph``."""
+    import onnx
+
     used = _names_used(nodes) | {o.name for o in g.output}
     kept = [t for t in g.initializer if t.name in used]
     del g.node[:]
     g.node.extend(nodes)
     del g.initializer[:]
     g.initializer.extend(kept)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     tmp = graph.with_name(graph.stem + ".int8.onnx")
     if model.ByteSize() > 1 << 30:  # protobuf's 2 GiB limit: large graphs keep their weights beside them
         onnx.save(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -102,7 +228,6 @@ def quantize_int8_blockwise(graph: Path, block: int = BLOCK) -> int:
     else:
         onnx.save(model, str(tmp))
     _replace(tmp, graph)
-    return converted
 
 
 def _pack_int8(g, name: str, w, block: int) -> tuple[str, str, int, int]:
@@ -122,6 +247,24 @@ def _pack_int8(g, name: str, w, block: int) -> tuple[str, str, int, int]:
     g.initializer.extend([numpy_helper.from_array(q.astype(np.uint8), b_name),      # [N, blocks, block]
                           numpy_helper.from_array(scale.reshape(-1), s_name)])     # [N * blocks]
     return b_name, s_name, k, n
+
+
+def _names_taken(g) -> set[str]:
+    """Every tensor name in graph ``g``: what its nodes read and write, its inputs, outputs and initializers."""
+    from onnx import AttributeProto
+
+    def written(nodes) -> set[str]:
+        out = set()
+        for node in nodes:
+            out.update(node.output)
+            for attr in node.attribute:
+                subs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs) if attr.type == AttributeProto.GRAPHS else []
+                for sub in subs:
+                    out |= written(sub.node) | {i.name for i in sub.input}
+        return out
+
+    return (_names_used(g.node) | written(g.node) | {i.name for i in g.input} | {o.name for o in g.output}
+            | {t.name for t in g.initializer} | {v.name for v in g.value_info})
 
 
 def _names_used(nodes) -> set[str]:

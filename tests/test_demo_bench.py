@@ -400,8 +400,8 @@ def test_bench_checks_out_first_and_iqr_stays_in_the_data(tiny_bundle, tmp_path,
 
 
 def test_int8_rows_script_shows_which_scheme_is_causal(tmp_path, monkeypatch):
-    """benchmarks/int8_rows.py on small weights: the blockwise (target) scheme's row 0 ignores a
-    change in a later row, the dynamic (draft) scheme's does not."""
+    """benchmarks/int8_rows.py on small weights: the target schemes' row 0 ignores a change in a
+    later row (rowwise: and equals a 1-row call's), the dynamic (draft) scheme's does not."""
     import importlib.util
     from pathlib import Path
 
@@ -412,9 +412,36 @@ def test_int8_rows_script_shows_which_scheme_is_causal(tmp_path, monkeypatch):
     monkeypatch.setattr(mod, "N", 256)
     assert mod.main(["--calls", "2", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "int8_rows.json").read_text())["results"]
-    assert res["int8 blockwise (targets)"]["row0_when_last_row_changes"] == 0.0
+    assert res["int8 rowwise (targets)"]["row0_when_last_row_changes"] == 0.0
+    assert res["int8 rowwise (targets)"]["row0_1_vs_k"] == 0.0
+    assert res["int8 blockwise (targets before 2026-11-30)"]["row0_when_last_row_changes"] == 0.0
     assert res["fp32"]["row0_when_last_row_changes"] == 0.0
     assert res["int8 dynamic (drafts)"]["row0_when_last_row_changes"] > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["llama", "t5"])
+def test_call_width_script(tiny_bundle, tmp_path, monkeypatch, arch):
+    """benchmarks/call_width.py on a tiny fp32 bundle: 1-token and 3-token calls agree to kernel
+    rounding, an earlier row ignores a change in a later one, and greedy speculative output equals
+    plain decoding (or the report names the flip and its logit gap)."""
+    import importlib.util
+    from pathlib import Path
+
+    import edgespec.prompts
+
+    spec = importlib.util.spec_from_file_location("call_width", Path(__file__).parents[1] / "benchmarks" / "call_width.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(edgespec.prompts, "CODE_PROMPTS", ("def f(x):", "ab cd"))
+    assert mod.main([str(tiny_bundle(arch)), "--width", "3", "--max-new-tokens", "10", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "call_width.json").read_text())["results"]
+    assert len(res) == 2 and all(len(r["greedy"]) == 3 for r in res)
+    for r in res:
+        assert r["earlier_rows_when_last_changes"] == 0.0
+        assert 0 <= r["median_abs"] <= r["max_abs"] < 1e-3 and r["max_tv"] < 1e-3
+        for g in r["greedy"]:
+            assert g["identical"] or "first_difference" in g
+    assert "greedy speculative" in (tmp_path / "call_width.md").read_text()
 
 
 def test_verify_width_script(tmp_path, monkeypatch):

@@ -161,8 +161,8 @@ def test_broken_int8_graph_fails_validation(tiny_checkpoints, tmp_path, monkeypa
         m = export_bundle(target, tmp_path / "good", options=ExportOptions(quantize_target="int8"), progress=None)
     v = m.target.validation["int8"]
     assert v["max_abs_diff"] < 0.05 * v["logits_range"] and v["rtol"] == 0.25
-    real = quantize._pack_int8
-    monkeypatch.setattr(quantize, "_pack_int8", lambda g, name, w, block: real(g, name, np.zeros_like(w), block))
+    real = quantize._quantize_columns
+    monkeypatch.setattr(quantize, "_quantize_columns", lambda w: real(np.zeros_like(w)))
     with pytest.raises(ValidationError, match="of the logits' range"):
         export_bundle(target, tmp_path / "bad", options=ExportOptions(quantize_target="int8"), progress=None)
     assert not (tmp_path / "bad").exists()
