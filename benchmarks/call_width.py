@@ -6,12 +6,17 @@ speculative output against plain decoding.
 Speculative decoding takes p from verify calls of gamma + 1 tokens; plain decoding takes it from
 1-token calls. Appendix A.1 makes the output follow the p it is given, so the two decodings agree
 exactly only if a position's logits are the same in both calls. Per built-in prompt, along the
-target's own greedy continuation: the largest |logits| difference per position between 1-token calls
-and calls of --width tokens, the total variation distance between the two softmaxes (what sampling
-at T=1 sees), and whether a position's logits change when only a later token of the same call does
-(they must not: a model may not see the future). Then greedy speculative decoding (gamma 3, 6 and
-adaptive) against plain decoding: where they first differ, the plain logit gap between the two
-tokens there (a near-tie that the width noise flipped, or a bug if the gap is large).
+target's own greedy continuation, two measurements:
+- one call: at every position, over the same cache (built by 1-token calls), the logits of a 1-token
+  call against row 0 of a --width-token call: the noise a single verify call adds;
+- along the sequence: every position fed by 1-token calls against the same positions fed in blocks
+  of --width, each pass building its own cache: what a whole decoding sees, since a verify call's
+  keys and values are the cache of the calls after it (one rounding flip moves every later row).
+For both, the largest |logits| difference and the total variation distance between the two
+softmaxes (what sampling at T=1 sees); then whether a row changes when only a later token of the
+same call does (it must not: a model may not see the future). Last, greedy speculative decoding
+(gamma 3, 6 and adaptive) against plain decoding: where they first differ, the plain logit gap
+between the two tokens there (a near-tie flipped by the width noise, or a bug if the gap is large).
 """
 from __future__ import annotations
 
@@ -29,24 +34,44 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum(-1, keepdims=True)
 
 
+def _compare(a: np.ndarray, b: np.ndarray, prefix: str) -> dict:
+    a, b = a.astype(np.float64), b.astype(np.float64)                            # [n, V] each
+    diff = np.abs(a - b).max(-1)                                                 # [n]
+    tv = 0.5 * np.abs(_softmax(a) - _softmax(b)).sum(-1)                         # [n]
+    return {f"{prefix}_max_abs": float(diff.max()), f"{prefix}_median_abs": float(np.median(diff)),
+            f"{prefix}_positions_over_1e-3": int((diff > 1e-3).sum()), f"{prefix}_max_tv": float(tv.max()),
+            f"{prefix}_median_tv": float(np.median(tv))}
+
+
 def width_noise(engine, prompt_ids: list[int], continuation: list[int], width: int) -> dict:
-    """Logits of ``continuation`` fed 1 token per call and ``width`` tokens per call, after the prompt."""
+    """The two comparisons of the module docstring for ``continuation`` after ``prompt_ids``."""
     t = engine.target
+    n = len(continuation)
+    out = {"positions": n}
+    if n == 0:
+        return out
     t.prefill(prompt_ids)
     n0 = t.length                                                                # decoder positions after the prompt
-    one = np.stack([t.extend([x])[0] for x in continuation])                    # [n, V]
+    one, single = [], []
+    for j, x in enumerate(continuation):
+        block = continuation[j:j + width]
+        single.append(t.extend(block)[0])                                        # row 0 of a wide call ...
+        t.rewind_to(n0 + j)
+        one.append(t.extend([x])[0])                                             # ... and the 1-token call, same cache
+    one, single = np.stack(one), np.stack(single)                               # [n, V] each
     t.rewind_to(n0)
-    wide = np.concatenate([t.extend(continuation[k:k + width]) for k in range(0, len(continuation), width)])  # [n, V]
-    t.rewind_to(n0)
-    block = list(continuation[:width])
-    a = t.extend(block)                                                          # [width, V]
-    t.rewind_to(n0)
-    b = t.extend(block[:-1] + [(block[-1] + 1) % t.vocab_size])                 # only the last token differs
+    wide = np.concatenate([t.extend(continuation[k:k + width]) for k in range(0, n, width)])  # [n, V]
+    out.update(_compare(one, single, "one_call"))
+    out.update(_compare(one, wide, "sequence"))
+    if n >= 2:
+        t.rewind_to(n0)
+        block = list(continuation[:width])
+        a = t.extend(block)                                                      # [w, V]
+        t.rewind_to(n0)
+        b = t.extend(block[:-1] + [(block[-1] + 1) % t.vocab_size])             # only the last token differs
+        out["earlier_rows_when_last_changes"] = float(np.abs(a[:-1] - b[:-1]).max())
     t.rewind_to(0)
-    diff = np.abs(one.astype(np.float64) - wide).max(-1)                         # [n]
-    tv = 0.5 * np.abs(_softmax(one.astype(np.float64)) - _softmax(wide.astype(np.float64))).sum(-1)  # [n]
-    return {"max_abs": float(diff.max()), "median_abs": float(np.median(diff)), "max_tv": float(tv.max()),
-            "median_tv": float(np.median(tv)), "earlier_rows_when_last_changes": float(np.abs(a[:-1] - b[:-1]).max())}
+    return out
 
 
 def greedy_identity(engine, prompt: str, max_new_tokens: int, gammas) -> list[dict]:
@@ -94,13 +119,19 @@ def main(argv=None) -> int:
     runs = [g for r in results for g in r["greedy"]]
     flips = [g for g in runs if not g["identical"]]
     lines = [f"{args.bundle}: target quantization {engine.manifest.target.quantization}; 1-token vs {args.width}-token calls "
-             f"along {len(prompts)} greedy continuations of {args.max_new_tokens} tokens", "",
-             "| prompt | max abs logits diff | median | max TV | median TV | earlier rows when the last token changes | greedy runs identical |",
-             "|---|---|---|---|---|---|---|"]
+             f"along {len(prompts)} greedy continuations of up to {args.max_new_tokens} tokens", "",
+             "| prompt | one call: max abs logits diff | positions > 1e-3 | max TV | along the sequence: max abs | median abs | max TV "
+             "| earlier rows when the last token changes | greedy runs identical |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         same = sum(g["identical"] for g in r["greedy"])
-        lines.append(f"| {r['prompt']} | {r['max_abs']:.3g} | {r['median_abs']:.3g} | {r['max_tv']:.3g} | {r['median_tv']:.3g} | "
-                     f"{r['earlier_rows_when_last_changes']:.3g} | {same} of {len(r['greedy'])} |")
+        if not r["positions"]:
+            lines.append(f"| {r['prompt']} | (no new token) | | | | | | | {same} of {len(r['greedy'])} |")
+            continue
+        lines.append(f"| {r['prompt']} | {r['one_call_max_abs']:.3g} | {r['one_call_positions_over_1e-3']} of {r['positions']} | "
+                     f"{r['one_call_max_tv']:.3g} | {r['sequence_max_abs']:.3g} | {r['sequence_median_abs']:.3g} | "
+                     f"{r['sequence_max_tv']:.3g} | {r.get('earlier_rows_when_last_changes', float('nan')):.3g} | "
+                     f"{same} of {len(r['greedy'])} |")
     lines.append("")
     lines.append(f"greedy speculative (gamma 3, 6, adaptive) identical to plain in {len(runs) - len(flips)} of {len(runs)} runs")
     for r in results:

@@ -16,9 +16,10 @@ examples:
 Precision: fp32 by default. --quantize int8 quantizes both models' MatMul weights to int8;
 --quantize-target / --quantize-draft set it per model and override --quantize. A draft gets ONNX
 Runtime's dynamic quantization (activations quantized with one scale per call); a target gets
-per-token int8 (MatMulInteger; each token's activations get their own scale, weights one scale per
-output column), because with one scale per call a position's logits would depend on the other
-tokens verified with it and the speculative output would no longer match plain decoding. fp16 export is not supported yet.
+per-token int8 (MatMulInteger; each token's activations get their own scale, 7-bit weights one scale
+per output column), because with one scale per call a position's logits would depend on the other
+tokens verified with it. (A per-token int8 target still amplifies the attention kernel's width
+noise: greedy near-ties can flip against plain decoding; see README.md.) fp16 export is not supported yet.
 Graphs: Llama and GPT-2 decoders get edgespec's static-KV graph (KV written in place, so rolling back a rejected
 draft copies nothing); other architectures are traced by optimum-onnx (--graph chooses).
 Every model is validated against PyTorch (prefill, 1- and 4-token steps, a rejected round rewound

@@ -50,8 +50,9 @@ def quantize_int8(graph: Path) -> None:
 
 def quantize_int8_rowwise(graph: Path) -> int:
     """Per-token int8 for a target, in place: every MatMul with a constant [K, N] fp32 weight becomes
-    an int8 MatMulInteger between per-row quantized activations and per-column quantized weights,
-    followed by the two scales. Returns the number of MatMuls converted.
+    an int8 MatMulInteger between per-row quantized activations (8 bits) and per-column quantized
+    weights (7 bits, see WEIGHT_LEVELS), followed by the two scales. Returns the number of MatMuls
+    converted.
 
     Why not dynamic quantization (used for drafts): it quantizes a call's activations with ONE scale
     over all its tokens, so the logits at a position depend on the other tokens in the same call,
@@ -62,7 +63,7 @@ def quantize_int8_rowwise(graph: Path) -> int:
     product is exact integer arithmetic, so a position's logits do not depend on the other tokens of
     the call (bit for bit: tested). Unlike MatMulNBits (the blockwise scheme below, which also
     quantizes per token) the k rows of a verify call run as one int8 GEMM: on the twelve [512, 4096]
-    MatMuls of ``benchmarks/int8_rows.py``, 6 rows cost 1.2x one row here against 1.9x blockwise.
+    MatMuls of ``benchmarks/int8_rows.py``, 6 rows cost 1.2-1.4x one row here against about 2x blockwise.
     A draft may be any function of its context (q only has to be the distribution the drafted token
     was sampled from), so drafts keep the dynamic scheme.
 
@@ -70,8 +71,9 @@ def quantize_int8_rowwise(graph: Path) -> int:
     graph's do. ONNX Runtime's CPU attention multiplies a 1-token call's probabilities by V with
     another GEMM kernel than a k-token call's (MLAS's M = 1 path), about 1e-7 apart; when such a
     difference moves an activation across a rounding boundary of its int8 grid, the row changes by
-    one quantization step. On the bench target: up to 0.12 in the logits, a total variation of at
-    most 0.008 between the two softmaxes (fp32: 1e-5 and 1e-6; ``benchmarks/call_width.py``).
+    one quantization step. On the bench target: in one call up to 0.07 in the logits at a few
+    positions (total variation at most 0.005; fp32: 1e-5 and 1e-6), and up to 0.14 along a decoding,
+    whose later calls attend to the keys and values such a call wrote (``benchmarks/call_width.py``).
     """
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
@@ -142,13 +144,21 @@ def quantize_int8_rowwise(graph: Path) -> int:
     return converted
 
 
+# Weights use 7 bits (+-63). On x86 CPUs without VNNI, MLAS's uint8 x int8 kernel multiplies with
+# vpmaddubsw, which adds the products of two neighbouring k into a saturating int16: with the raw
+# uint8 activations (up to 255) and +-127 weights a pair reaches 64770 and is clipped, so the
+# "exact" integer product would depend on the CPU the bundle runs on. 255 * 63 * 2 = 32130 cannot
+# saturate (ONNX Runtime's own quantizer calls this reduce_range).
+WEIGHT_LEVELS = 63
+
+
 def _quantize_columns(w):
-    """Symmetric int8 per output column of a [K, N] weight: (q [K, N] int8, scale [N] float32)."""
+    """Symmetric int8 per output column of a [K, N] weight, in [-63, 63]: (q [K, N] int8, scale [N] float32)."""
     import numpy as np
 
-    scale = np.abs(w).max(0).astype(np.float64) / 127.0                          # [N]
+    scale = np.abs(w).max(0).astype(np.float64) / WEIGHT_LEVELS                   # [N]
     scale[scale == 0] = 1.0
-    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)                   # [K, N]
+    q = np.clip(np.rint(w / scale), -WEIGHT_LEVELS, WEIGHT_LEVELS).astype(np.int8)  # [K, N]
     return q, scale.astype(np.float32)
 
 

@@ -12,6 +12,17 @@ from edgespec.errors import InvalidArgumentError
 pytestmark = pytest.mark.slow
 
 
+def _load_script(name: str):
+    """A benchmarks/ script as a module (they are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_demo_end_to_end_on_tiny_preset(tmp_path, monkeypatch, capsys):
     from tiny_models import copy_stdlib_files
 
@@ -422,26 +433,77 @@ def test_int8_rows_script_shows_which_scheme_is_causal(tmp_path, monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "t5"])
 def test_call_width_script(tiny_bundle, tmp_path, monkeypatch, arch):
     """benchmarks/call_width.py on a tiny fp32 bundle: 1-token and 3-token calls agree to kernel
-    rounding, an earlier row ignores a change in a later one, and greedy speculative output equals
-    plain decoding (or the report names the flip and its logit gap)."""
-    import importlib.util
-    from pathlib import Path
-
+    rounding (in one call and along the sequence), an earlier row ignores a change in a later one,
+    and greedy speculative output equals plain decoding (the tiny models have no near-ties)."""
     import edgespec.prompts
 
-    spec = importlib.util.spec_from_file_location("call_width", Path(__file__).parents[1] / "benchmarks" / "call_width.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _load_script("call_width")
+
     monkeypatch.setattr(edgespec.prompts, "CODE_PROMPTS", ("def f(x):", "ab cd"))
     assert mod.main([str(tiny_bundle(arch)), "--width", "3", "--max-new-tokens", "10", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "call_width.json").read_text())["results"]
     assert len(res) == 2 and all(len(r["greedy"]) == 3 for r in res)
     for r in res:
-        assert r["earlier_rows_when_last_changes"] == 0.0
-        assert 0 <= r["median_abs"] <= r["max_abs"] < 1e-3 and r["max_tv"] < 1e-3
-        for g in r["greedy"]:
-            assert g["identical"] or "first_difference" in g
-    assert "greedy speculative" in (tmp_path / "call_width.md").read_text()
+        assert r["positions"] >= 2 and r["earlier_rows_when_last_changes"] == 0.0
+        for kind in ("one_call", "sequence"):
+            assert 0 <= r[f"{kind}_median_abs" if kind == "sequence" else "one_call_max_abs"] <= r[f"{kind}_max_abs"] < 1e-3
+            assert r[f"{kind}_max_tv"] < 1e-3
+        assert all(g["identical"] for g in r["greedy"])
+    assert "greedy speculative (gamma 3, 6, adaptive) identical to plain in 6 of 6 runs" in (tmp_path / "call_width.md").read_text()
+
+
+def test_call_width_reports_a_flip_and_short_continuations():
+    """call_width's greedy check names the first differing token and plain decoding's logit gap
+    there (from the target's own 1-token steps), and its width check takes a 0- or 1-token
+    continuation (output that stopped at once) without failing."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    mod = _load_script("call_width")
+
+    class Target:                                       # logits favour token (last id + 1) % 5, token 4 by 0.25
+        vocab_size = 5
+
+        def __init__(self):
+            self.ids = []
+
+        length = property(lambda self: len(self.ids))
+
+        def _row(self):
+            row = np.zeros(5, np.float32)
+            row[(self.ids[-1] + 1) % 5] = 1.0
+            row[4] = 0.75
+            return row
+
+        def prefill(self, ids):
+            self.ids = list(ids)
+            return self._row()
+
+        def extend(self, ids):
+            rows = []
+            for x in ids:
+                self.ids.append(int(x))
+                rows.append(self._row())
+            return np.stack(rows)
+
+        def rewind_to(self, n):
+            self.ids = self.ids[:n]
+
+    class Engine:
+        target = Target()
+
+        def generate(self, prompt, max_new_tokens, temperature, use_draft=True, gamma=None):
+            ids = [2, 3, 4] if not use_draft else ([2, 3, 0] if gamma == 6 else [2, 3, 4])
+            return SimpleNamespace(ids=ids, prompt_ids=[1])
+
+    rows = mod.greedy_identity(Engine(), "p", 3, (3, 6))
+    assert rows[0] == {"gamma": 3, "identical": True}
+    assert rows[1]["first_difference"] == 2 and rows[1]["plain_logit_gap"] == pytest.approx(0.75 - 0.0)
+    for cont in ([], [3]):
+        res = mod.width_noise(Engine(), [1, 2], cont, 4)
+        assert res["positions"] == len(cont) and "earlier_rows_when_last_changes" not in res
+    assert mod.width_noise(Engine(), [1, 2], [3, 0, 1], 2)["one_call_max_abs"] == 0.0
 
 
 def test_verify_width_script(tmp_path, monkeypatch):

@@ -420,13 +420,29 @@ def test_target_int8_on_hand_made_graphs(tmp_path, scheme, opset):
     else:
         assert ops == ["MatMulNBits", "MatMulNBits", "Add", "MatMul"]
         assert sorted(t.name for t in q.graph.initializer) == ["V", "W.int8", "W.scales"]
+    if scheme == "rowwise":                                                        # expose the quantized rows
+        q.graph.output.append(helper.make_tensor_value_info("x.rowq.q", TensorProto.UINT8, None))
+        onnx.save(q, str(path))
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     xs = rng.normal(size=(1, 5, 200)).astype(np.float32)
     xs[0, 2] = 0.0                                                                 # an all-zero row
-    got = sess.run(None, {"x": xs})[0]
+    outs = sess.run(None, {"x": xs, "V": v})
+    got = outs[0]
     want = (2 * xs @ w) @ v
     assert np.isfinite(got).all() and np.abs(got[0, 2]).max() == 0.0
     assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
+    if scheme == "rowwise":
+        # the scheme itself, in numpy: s = max|x| / 127 per row, q = round_half_even(x / s) + 128,
+        # weights per column in [-63, 63], an exact integer product, then both scales
+        from edgespec.export.quantize import _quantize_columns
+
+        q_w, s_w = _quantize_columns(w)
+        assert np.abs(q_w).max() == 63
+        s_x = np.maximum(np.abs(xs).max(-1, keepdims=True), np.float32(1e-30)) * np.float32(1 / 127)   # [1, 5, 1]
+        q_x = np.clip(np.rint(xs / s_x) + 128, 0, 255)                                                   # [1, 5, 200]
+        assert np.array_equal(outs[1], q_x.astype(np.uint8)) and (outs[1][0, 2] == 128).all()
+        a = ((q_x - 128).astype(np.int64) @ q_w.astype(np.int64)).astype(np.float32) * s_x * s_w       # [1, 5, 48]
+        assert np.abs(got - (2 * a) @ v).max() < 1e-4 * np.abs(want).max()
     changed = xs.copy()
     changed[0, 4] *= 30
-    assert np.array_equal(sess.run(None, {"x": changed})[0][:, :4], got[:, :4])
+    assert np.array_equal(sess.run(None, {"x": changed, "V": v})[0][:, :4], got[:, :4])
