@@ -44,8 +44,10 @@ def _compare(a: np.ndarray, b: np.ndarray, prefix: str) -> dict:
 
 
 def width_noise(engine, prompt_ids: list[int], continuation: list[int], width: int) -> dict:
-    """The two comparisons of the module docstring for ``continuation`` after ``prompt_ids``."""
+    """The two comparisons of the module docstring at the positions that predict ``continuation[1:]``
+    (the logits plain decoding computes after ``prompt_ids``), fed one or ``width`` tokens per call."""
     t = engine.target
+    continuation = list(continuation[:-1])  # the tokens plain decoding feeds: the last one is only output
     n = len(continuation)
     out = {"positions": n}
     if n == 0:

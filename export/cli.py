@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     target = args.model or args.target
     if not target:
         raise InvalidArgumentError("nothing to export: pass --target DIR (and --draft DIR), or --model DIR")
+    if args.quantize_draft is not None and not args.draft:
+        raise InvalidArgumentError("--quantize-draft: this export has no draft (no --draft DIR); drop it, or quantize "
+                                   "the model with --quantize-target / --quantize")
     options = ExportOptions(
         quantize_target=args.quantize_target or args.quantize,
         quantize_draft=args.quantize_draft or args.quantize,

@@ -7,6 +7,7 @@ temporary folder, so nothing that looks like a bundle is ever left behind.
 """
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import math
@@ -206,14 +207,22 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     progress(f"{role}: validating ONNX Runtime vs PyTorch (prefill, 1-token and {validate.MULTI_STEP_TOKENS}-token steps, "
              f"a rewound round, {reach} {'decoder ' if seq2seq else ''}positions)")
     record = {"fp32": run_validation(f"{role} (fp32)", opts.atol)}
+    quant_label = QUANT_LABEL[role][quant]
     if quant == "int8":
         causal = role == contract.ROLE_TARGET  # see quantize_int8_rowwise: a target must stay causal
         progress(f"{role}: int8 {'per-token (rowwise)' if causal else 'dynamic'} quantization")
         if causal:
-            if not sum(quantize_int8_rowwise(folder / name) for name in files.values()):
-                warnings.warn(f"{role}: no MatMul with a constant fp32 weight was found to quantize (Gemm nodes and "
-                              "weights fed through other ops stay fp32); the target is exported in fp32 precision",
+            results = [quantize_int8_rowwise(folder / name) for name in files.values()]
+            converted, skipped = sum(n for n, _ in results), collections.Counter(r for _, why in results for r in why)
+            reasons = "; ".join(f"{n} x {why}" for why, n in skipped.items())
+            if not converted:
+                quant_label = "none"
+                warnings.warn(f"{role}: no MatMul or Gemm by a constant fp32 weight could be quantized"
+                              f"{f' ({reasons})' if reasons else ''}; the target is exported in fp32",
                               EdgeSpecWarning, stacklevel=2)
+            elif skipped:
+                warnings.warn(f"{role}: {sum(skipped.values())} of {converted + sum(skipped.values())} weight products "
+                              f"stay fp32 ({reasons}); the others are int8", EdgeSpecWarning, stacklevel=2)
         else:
             for name in files.values():
                 quantize_int8(folder / name)
@@ -243,7 +252,7 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
         head_size=head_size,
         max_positions=_max_positions(ckpt),
         dtype=opts.dtype,
-        quantization=QUANT_LABEL[role][quant],
+        quantization=quant_label,
         parameter_bytes=bytes_record,
         validation=record,
         kv_layout=layout,

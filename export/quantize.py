@@ -48,11 +48,12 @@ def quantize_int8(graph: Path) -> None:
     _replace(tmp, graph)  # the fp32 weights' file goes
 
 
-def quantize_int8_rowwise(graph: Path) -> int:
-    """Per-token int8 for a target, in place: every MatMul with a constant [K, N] fp32 weight becomes
-    an int8 MatMulInteger between per-row quantized activations (8 bits) and per-column quantized
-    weights (7 bits, see WEIGHT_LEVELS), followed by the two scales. Returns the number of MatMuls
-    converted.
+def quantize_int8_rowwise(graph: Path) -> tuple[int, list[str]]:
+    """Per-token int8 for a target, in place: every MatMul, and every Gemm (GPT-2's and OPT's traced
+    graphs), with a constant [K, N] fp32 weight becomes an int8 MatMulInteger between per-row
+    quantized activations (8 bits) and per-column quantized weights (7 bits, see WEIGHT_LEVELS),
+    followed by the two scales (and a Gemm's bias). Returns (the number converted, why each weight
+    product that stays fp32 does).
 
     Why not dynamic quantization (used for drafts): it quantizes a call's activations with ONE scale
     over all its tokens, so the logits at a position depend on the other tokens in the same call,
@@ -118,30 +119,78 @@ def quantize_int8_rowwise(graph: Path) -> int:
             rows[x] = (t["q"], t["s"])
         return rows[x]
 
-    packed: dict[str, tuple[str, str]] = {}  # weight name -> (int8 weight, column scales)
+    packed: dict[tuple, tuple[str, str]] = {}   # (weight name, transposed, alpha) -> (int8 weight, column scales)
     new_nodes: list = []
-    converted = 0
-    for node, w_name, w in _constant_matmuls(g):
-        if w is None:
+    converted, skipped = 0, []
+    inputs = {i.name for i in g.input}
+    inits = {t.name: t for t in g.initializer if t.name not in inputs}
+    for node in list(g.node):
+        found = _weight_product(node, inits)
+        if isinstance(found, str) or found is None:
+            skipped += [found] if found else []
             new_nodes.append(node)
             continue
-        if w_name not in packed:
+        w_name, w, trans_b, alpha, bias = found
+        key = (w_name, trans_b, alpha)
+        if key not in packed:
             q, scale = _quantize_columns(w)
-            packed[w_name] = (fresh(w_name + ".int8"), fresh(w_name + ".col_scales"))
-            g.initializer.extend([numpy_helper.from_array(q, packed[w_name][0]),
-                                  numpy_helper.from_array(scale, packed[w_name][1])])
+            packed[key] = (fresh(w_name + ".int8"), fresh(w_name + ".col_scales"))
+            g.initializer.extend([numpy_helper.from_array(q, packed[key][0]),
+                                  numpy_helper.from_array((scale * np.float32(alpha)).astype(np.float32), packed[key][1])])
         q_x, s_x = quantize_rows(node.input[0])
-        q_w, s_w = packed[w_name]
+        q_w, s_w = packed[key]
         out = node.output[0]
         acc, acc_f, row_scaled = fresh(out + ".int32"), fresh(out + ".float"), fresh(out + ".row_scaled")
-        # y = (sum_k (q_x - 128) q_w) * s_x * s_w: exact int32 accumulation, then per-row and per-column scales.
+        product = fresh(out + ".product") if bias is not None else out
+        # y = (sum_k (q_x - 128) q_w) * s_x * s_w: exact int32 accumulation, then per-row and per-column
+        # scales (a Gemm's alpha folded into the latter), then a Gemm's beta * C.
         new_nodes.extend([helper.make_node("MatMulInteger", [q_x, q_w, consts["zp"]], [acc], name=node.name),
                           helper.make_node("Cast", [acc], [acc_f], to=TensorProto.FLOAT),
                           helper.make_node("Mul", [acc_f, s_x], [row_scaled]),
-                          helper.make_node("Mul", [row_scaled, s_w], [out])])
+                          helper.make_node("Mul", [row_scaled, s_w], [product])])
+        if bias is not None:
+            c_name, beta = bias
+            if beta != 1.0:
+                scaled = fresh(c_name + ".beta")
+                if c_name in inits:
+                    g.initializer.append(numpy_helper.from_array(
+                        (numpy_helper.to_array(inits[c_name]) * np.float32(beta)).astype(np.float32), scaled))
+                else:
+                    beta_name = fresh(c_name + ".beta_value")
+                    g.initializer.append(numpy_helper.from_array(np.array(beta, np.float32), beta_name))
+                    new_nodes.append(helper.make_node("Mul", [c_name, beta_name], [scaled]))
+                c_name = scaled
+            new_nodes.append(helper.make_node("Add", [product, c_name], [out]))
         converted += 1
     _save_rewrite(model, g, new_nodes, graph)
-    return converted
+    return converted, skipped
+
+
+def _weight_product(node, inits):
+    """For a MatMul or Gemm by a constant fp32 weight: (weight name, [K, N] weight, transposed,
+    alpha, (bias name, beta) or None); a reason string when such a product cannot be converted;
+    None for every other node."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or node.input[1] not in inits:
+        return None
+    w = numpy_helper.to_array(inits[node.input[1]])
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if w.dtype != np.float32 or w.ndim != 2:
+        return f"{node.op_type} weight of {w.ndim} dimensions, {w.dtype}"
+    if node.op_type == "Gemm":
+        if attrs.get("transA", 0):
+            return "Gemm with transA=1"
+        trans_b = bool(attrs.get("transB", 0))
+        w = w.T if trans_b else w
+        bias = (node.input[2], float(attrs.get("beta", 1.0))) if len(node.input) > 2 and node.input[2] else None
+        alpha = float(attrs.get("alpha", 1.0))
+    else:
+        trans_b, bias, alpha = False, None, 1.0
+    if w.shape[0] < 16:
+        return "K < 16 (too few inputs per output for int8)"
+    return node.input[1], np.ascontiguousarray(w), trans_b, alpha, bias
 
 
 # Weights use 7 bits (+-63). On x86 CPUs without VNNI, MLAS's uint8 x int8 kernel multiplies with
@@ -307,6 +356,7 @@ def check_dtype(dtype: str) -> None:
     if dtype == "fp16":
         raise InvalidArgumentError(
             "--dtype fp16 is not supported by this exporter yet: ONNX Runtime's CPU provider runs most fp16 "
-            "ops slowly or not at all and validation needs a GPU. Export fp32 (default) or use --quantize int8"
+            "ops slowly or not at all and validation needs a GPU. Drop --dtype (fp32 is the default); for "
+            "smaller, faster models add --quantize int8 to the fp32 export"
         )
     raise InvalidArgumentError(f"--dtype must be fp32 or fp16; got {dtype!r}")

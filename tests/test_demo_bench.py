@@ -500,10 +500,13 @@ def test_call_width_reports_a_flip_and_short_continuations():
     rows = mod.greedy_identity(Engine(), "p", 3, (3, 6))
     assert rows[0] == {"gamma": 3, "identical": True}
     assert rows[1]["first_difference"] == 2 and rows[1]["plain_logit_gap"] == pytest.approx(0.75 - 0.0)
-    for cont in ([], [3]):
+    for cont in ([], [3], [3, 0]):                      # the last token is output, never fed
         res = mod.width_noise(Engine(), [1, 2], cont, 4)
-        assert res["positions"] == len(cont) and "earlier_rows_when_last_changes" not in res
-    assert mod.width_noise(Engine(), [1, 2], [3, 0, 1], 2)["one_call_max_abs"] == 0.0
+        assert res["positions"] == max(0, len(cont) - 1) and "earlier_rows_when_last_changes" not in res
+    engine = Engine()
+    res = mod.width_noise(engine, [1, 2], [3, 0, 1], 2)
+    assert res["positions"] == 2 and res["one_call_max_abs"] == 0.0 and res["earlier_rows_when_last_changes"] == 0.0
+    assert engine.target.length == 0                                # rewound at the end
 
 
 def test_verify_width_script(tmp_path, monkeypatch):

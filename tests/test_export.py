@@ -269,8 +269,17 @@ def test_validation_over_tolerance_fails_and_leaves_nothing(tiny_checkpoints, tm
 
 def test_fp16_is_a_clear_error(tiny_checkpoints, tmp_path, capsys):
     target, _ = tiny_checkpoints("gpt2")
-    _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o"), "--dtype", "fp16"], capsys, "fp16")
+    _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o"), "--dtype", "fp16", "--quantize", "int8"],
+               capsys, "Drop --dtype")
     assert _nothing_written(tmp_path / "o")
+
+
+def test_quantize_draft_without_a_draft_is_refused(tiny_checkpoints, tmp_path, capsys):
+    """--quantize-draft on an export with no draft did nothing, silently."""
+    target, _ = tiny_checkpoints("llama")
+    for args in (["--model", str(target)], ["--target", str(target)]):
+        _cli_fails(["export", *args, "--out", str(tmp_path / "o"), "--quantize-draft", "int8"], capsys, "no draft")
+        assert _nothing_written(tmp_path / "o")
 
 
 def test_mixed_kinds_refused(tiny_checkpoints, tmp_path):
@@ -383,6 +392,79 @@ def test_sliding_window_shorter_than_the_validation_pass(tmp_path):
     assert edgespec.load(out, load_draft=False).generate(ids, max_new_tokens=24, temperature=0).ids == ref
 
 
+def test_int8_target_with_nothing_to_quantize_is_labelled_fp32(tiny_checkpoints, tmp_path, monkeypatch):
+    """When no weight product of the target can be quantized, the export says why and the manifest
+    says "none" (it said int8-rowwise over an fp32 graph); when some cannot, it says how many."""
+    from edgespec.errors import EdgeSpecWarning
+    from edgespec.export import quantize
+    from edgespec.export.pipeline import ExportOptions, export_bundle
+
+    target, _ = tiny_checkpoints("llama")
+    real = quantize._weight_product
+    monkeypatch.setattr(quantize, "_weight_product", lambda node, inits: "K < 16 (too few inputs per output for int8)"
+                        if isinstance(real(node, inits), tuple) else real(node, inits))
+    with pytest.warns(EdgeSpecWarning, match=r"no MatMul or Gemm .* could be quantized \(\d+ x K < 16"):
+        m = export_bundle(target, tmp_path / "none", options=ExportOptions(quantize_target="int8"), progress=None)
+    assert m.target.quantization == "none"
+    seen = []
+
+    def first_only(node, inits):
+        found = real(node, inits)
+        if isinstance(found, tuple) and not seen:
+            seen.append(node.name)
+            return "Gemm with transA=1"
+        return found
+
+    monkeypatch.setattr(quantize, "_weight_product", first_only)
+    with pytest.warns(EdgeSpecWarning, match=r"1 of \d+ weight products stay fp32 \(1 x Gemm with transA=1\)"):
+        m = export_bundle(target, tmp_path / "some", options=ExportOptions(quantize_target="int8"), progress=None)
+    assert m.target.quantization == "int8-rowwise"
+
+
+def test_rowwise_int8_converts_gemm_and_names_what_stays_fp32(tmp_path):
+    """Gemm by a constant weight (GPT-2's and OPT's traced graphs) is converted too: transB, alpha
+    and beta * C as ONNX defines them, a bias that is a graph input scaled by a node. A Gemm with
+    transA and a weight with fewer than 16 inputs stay fp32, and the report says why."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgespec.export.quantize import quantize_int8_rowwise
+
+    rng = np.random.default_rng(1)
+    wt = rng.normal(size=(24, 64)).astype(np.float32)                 # [N, K]: Gemm transB=1
+    c = rng.normal(size=(24,)).astype(np.float32)
+    w2 = rng.normal(size=(24, 24)).astype(np.float32)
+    small = rng.normal(size=(5, 8)).astype(np.float32)                # read by a transA Gemm: stays fp32
+    tiny_k = rng.normal(size=(8, 4)).astype(np.float32)               # K = 8 < 16: stays fp32
+    nodes = [helper.make_node("Gemm", ["x", "Wt", "C"], ["a"], transB=1, alpha=0.5, beta=2.0),
+             helper.make_node("Gemm", ["a", "W2", "c_in"], ["b"], beta=3.0),
+             helper.make_node("Gemm", ["b", "S"], ["d"], transA=1),
+             helper.make_node("MatMul", ["d", "T"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 64]),
+                     helper.make_tensor_value_info("c_in", TensorProto.FLOAT, [24])],
+        [helper.make_tensor_value_info("b", TensorProto.FLOAT, [5, 24]), helper.make_tensor_value_info("y", TensorProto.FLOAT, [24, 4])],
+        [numpy_helper.from_array(a, n) for a, n in ((wt, "Wt"), (c, "C"), (w2, "W2"), (small, "S"), (tiny_k, "T"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "g.onnx"
+    onnx.save(model, str(path))
+    converted, skipped = quantize_int8_rowwise(path)
+    assert converted == 2 and sorted(skipped) == ["Gemm with transA=1", "K < 16 (too few inputs per output for int8)"]
+    q = onnx.load(str(path))
+    onnx.checker.check_model(q)
+    assert [n.op_type for n in q.graph.node].count("MatMulInteger") == 2 and [n.op_type for n in q.graph.node].count("Gemm") == 1
+    xs = rng.normal(size=(5, 64)).astype(np.float32)
+    c_in = rng.normal(size=(24,)).astype(np.float32)
+    got_b, got_y = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": xs, "c_in": c_in})
+    a = 0.5 * xs @ wt.T + 2.0 * c
+    b = a @ w2 + 3.0 * c_in
+    assert np.abs(got_b - b).max() < 0.03 * np.abs(b).max()
+    assert np.abs(got_y - (got_b.T @ small) @ tiny_k).max() < 1e-3 * np.abs(got_y).max()
+
+
 @pytest.mark.parametrize("scheme,opset", [("rowwise", 17), ("rowwise", 18), ("blockwise", 17)])
 def test_target_int8_on_hand_made_graphs(tmp_path, scheme, opset):
     """The causal int8 schemes: K not a multiple of 128, one weight shared by two MatMuls (packed
@@ -409,8 +491,10 @@ def test_target_int8_on_hand_made_graphs(tmp_path, scheme, opset):
     model.ir_version = 8
     path = tmp_path / "m.onnx"
     onnx.save(model, str(path))
-    convert = quantize_int8_rowwise if scheme == "rowwise" else quantize_int8_blockwise
-    assert convert(path) == 2                                                      # V is a graph input
+    if scheme == "rowwise":
+        assert quantize_int8_rowwise(path) == (2, [])                              # V is a graph input
+    else:
+        assert quantize_int8_blockwise(path) == 2
     q = onnx.load(str(path))
     onnx.checker.check_model(q)
     ops = [n.op_type for n in q.graph.node]
