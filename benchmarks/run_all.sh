@@ -65,6 +65,10 @@ for run in a b; do
   edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-s9$run"
   edgespec bench "$deep4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-deep4-s9$run"
 done
+#    the same command in later sessions (the host's load moves the ratio from run to run)
+for run in s10a s10b s10c s11a; do
+  edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-$run"
+done
 edgespec bench "$large4_q" --gammas 4,5,6,8,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-rowwise-target"
 edgespec bench "$large4_q" --gammas 5,6,auto --temperatures 0,1 --draft model,lookahead --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-int8-rowwise-lookahead"
 #    the decode-rate columns (run twice) and the lookahead drafter beside the model drafter
