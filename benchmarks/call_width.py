@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     for r in results:
         same = sum(g["identical"] for g in r["greedy"])
         if not r["positions"]:
-            lines.append(f"| {r['prompt']} | (no new token) | | | | | | | {same} of {len(r['greedy'])} |")
+            lines.append(f"| {r['prompt']} | (nothing fed: one new token or none) | | | | | | | {same} of {len(r['greedy'])} |")
             continue
         lines.append(f"| {r['prompt']} | {r['one_call_max_abs']:.3g} | {r['one_call_positions_over_1e-3']} of {r['positions']} | "
                      f"{r['one_call_max_tv']:.3g} | {r['sequence_max_abs']:.3g} | {r['sequence_median_abs']:.3g} | "

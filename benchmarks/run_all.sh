@@ -44,7 +44,7 @@ large3=$(bundle_of large3-int8 "$pair/distilled-large3" --quantize-draft int8)
 large4=$(bundle_of large4-int8 "$pair/distilled-large4" --quantize-draft int8)
 large5=$(bundle_of large5-int8 "$pair/distilled-large5" --quantize-draft int8)
 deep4=$(bundle_of deep4-int8 "$pair/distilled-large4-deep4" --quantize-draft int8)
-# the target in int8 too (per-token int8, exact: a different, quantized target)
+# the target in int8 too (per-token int8: a different, quantized target; causal, not bit-exact vs plain)
 large4_q=$(bundle_of large4-int8t-rowwise "$pair/distilled-large4" --quantize int8)
 
 # 1. the bench grid (issue 4 targets, issue 8 adaptive vs static) with the best draft, 1 thread per

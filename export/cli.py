@@ -13,7 +13,7 @@ examples:
   edgespec export --model ckpt/gpt2 --out bundles/gpt2            (single model: plain decoding only)
   edgespec export --target T --draft D --out B --quantize-draft int8
 
-Precision: fp32 by default. --quantize int8 quantizes both models' MatMul weights to int8;
+Precision: fp32 by default. --quantize int8 quantizes both models' MatMul and Gemm weights to int8;
 --quantize-target / --quantize-draft set it per model and override --quantize. A draft gets ONNX
 Runtime's dynamic quantization (activations quantized with one scale per call); a target gets
 per-token int8 (MatMulInteger; each token's activations get their own scale, 7-bit weights one scale

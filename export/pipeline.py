@@ -226,8 +226,9 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
         else:
             for name in files.values():
                 quantize_int8(folder / name)
-        progress(f"{role}: validating the int8 graphs vs PyTorch")
-        record["int8"] = run_validation(f"{role} (int8)", opts.quantized_atol, QUANTIZED_RTOL)
+        if quant_label != "none":  # nothing converted: the graphs are the fp32 ones validated above
+            progress(f"{role}: validating the int8 graphs vs PyTorch")
+            record["int8"] = run_validation(f"{role} (int8)", opts.quantized_atol, QUANTIZED_RTOL)
 
     pbytes = graph_info.parameter_bytes(step_graph)
     bytes_record = {"total": sum(graph_info.parameter_bytes(folder / f)["total"] for f in files.values()),

@@ -64,7 +64,7 @@ def quantize_int8_rowwise(graph: Path) -> tuple[int, list[str]]:
     product is exact integer arithmetic, so a position's logits do not depend on the other tokens of
     the call (bit for bit: tested). Unlike MatMulNBits (the blockwise scheme below, which also
     quantizes per token) the k rows of a verify call run as one int8 GEMM: on the twelve [512, 4096]
-    MatMuls of ``benchmarks/int8_rows.py``, 6 rows cost 1.2-1.4x one row here against about 2x blockwise.
+    MatMuls of ``benchmarks/int8_rows.py``, 6 rows cost 1.1-1.2x one row here against about 2x blockwise.
     A draft may be any function of its context (q only has to be the distribution the drafted token
     was sampled from), so drafts keep the dynamic scheme.
 
@@ -356,7 +356,7 @@ def check_dtype(dtype: str) -> None:
     if dtype == "fp16":
         raise InvalidArgumentError(
             "--dtype fp16 is not supported by this exporter yet: ONNX Runtime's CPU provider runs most fp16 "
-            "ops slowly or not at all and validation needs a GPU. Drop --dtype (fp32 is the default); for "
-            "smaller, faster models add --quantize int8 to the fp32 export"
+            "ops slowly or not at all and validation needs a GPU. Drop --dtype fp16: export fp32 (the default), "
+            "with or without --quantize int8"
         )
     raise InvalidArgumentError(f"--dtype must be fp32 or fp16; got {dtype!r}")

@@ -465,6 +465,39 @@ def test_rowwise_int8_converts_gemm_and_names_what_stays_fp32(tmp_path):
     assert np.abs(got_y - (got_b.T @ small) @ tiny_k).max() < 1e-3 * np.abs(got_y).max()
 
 
+def test_rowwise_int8_weight_shared_by_matmul_and_gemms(tmp_path):
+    """One weight read by a MatMul, by a Gemm with transB and by a Gemm with alpha 2 gets one packed
+    copy per way of reading it (a shared copy gave a shape error or a 2x error), and a Gemm whose C
+    input is the empty name adds no bias."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgespec.export.quantize import quantize_int8_rowwise
+
+    rng = np.random.default_rng(2)
+    w = rng.normal(size=(32, 32)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"]),
+             helper.make_node("Gemm", ["x", "W"], ["b"], transB=1),
+             helper.make_node("Gemm", ["x", "W", ""], ["c"], alpha=2.0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 32])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 32]) for n in "abc"],
+                              [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "g.onnx"
+    onnx.save(model, str(path))
+    assert quantize_int8_rowwise(path) == (3, [])
+    q = onnx.load(str(path))
+    onnx.checker.check_model(q)
+    assert [n.op_type for n in q.graph.node].count("Add") == 1                    # the quantizer's +128; the empty C adds nothing
+    xs = rng.normal(size=(3, 32)).astype(np.float32)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": xs})
+    for y, want in zip(got, (xs @ w, xs @ w.T, 2 * xs @ w)):
+        assert np.abs(y - want).max() < 0.03 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("scheme,opset", [("rowwise", 17), ("rowwise", 18), ("blockwise", 17)])
 def test_target_int8_on_hand_made_graphs(tmp_path, scheme, opset):
     """The causal int8 schemes: K not a multiple of 128, one weight shared by two MatMuls (packed
