@@ -508,6 +508,15 @@ def test_call_width_reports_a_flip_and_short_continuations():
     assert res["positions"] == 2 and res["one_call_max_abs"] == 0.0 and res["earlier_rows_when_last_changes"] == 0.0
     assert engine.target.length == 0                                # rewound at the end
 
+    class WidthNoise(Target):                           # a wide call's rows are 0.01 off a 1-token call's
+        def extend(self, ids):
+            return super().extend(ids) + np.float32(0.01 if len(ids) > 1 else 0.0)
+
+    engine.target = WidthNoise()
+    res = mod.width_noise(engine, [1, 2], [3, 0, 1, 2, 3, 4], 4)   # 5 positions: 4 of them in a wide call's row 0
+    assert res["one_call_max_abs"] == pytest.approx(0.01) and res["one_call_positions_over_1e-3"] == 4
+    assert res["sequence_max_abs"] == pytest.approx(0.01) and res["earlier_rows_when_last_changes"] == 0.0
+
 
 def test_verify_width_script(tmp_path, monkeypatch):
     """benchmarks/verify_width.py on small weights: a row per width, V(1) = 1, rates consistent."""
