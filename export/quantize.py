@@ -122,8 +122,7 @@ def quantize_int8_rowwise(graph: Path) -> tuple[int, list[str]]:
     packed: dict[tuple, tuple[str, str]] = {}   # (weight name, transposed, alpha) -> (int8 weight, column scales)
     new_nodes: list = []
     converted, skipped = 0, []
-    inputs = {i.name for i in g.input}
-    inits = {t.name: t for t in g.initializer if t.name not in inputs}
+    inits = _Constants(g)
     for node in list(g.node):
         found = _weight_product(node, inits)
         if isinstance(found, str) or found is None:
@@ -153,8 +152,8 @@ def quantize_int8_rowwise(graph: Path) -> tuple[int, list[str]]:
             if beta != 1.0:
                 scaled = fresh(c_name + ".beta")
                 if c_name in inits:
-                    g.initializer.append(numpy_helper.from_array(
-                        (numpy_helper.to_array(inits[c_name]) * np.float32(beta)).astype(np.float32), scaled))
+                    g.initializer.append(numpy_helper.from_array((inits.array(c_name) * np.float32(beta)).astype(np.float32),
+                                                                 scaled))
                 else:
                     beta_name = fresh(c_name + ".beta_value")
                     g.initializer.append(numpy_helper.from_array(np.array(beta, np.float32), beta_name))
@@ -166,16 +165,33 @@ def quantize_int8_rowwise(graph: Path) -> tuple[int, list[str]]:
     return converted, skipped
 
 
-def _weight_product(node, inits):
+class _Constants(dict):
+    """A graph's initializers that are not graph inputs (an input can be overridden at run time:
+    not a constant), by name, with each one's numpy array made once however many nodes read it."""
+
+    def __init__(self, g):
+        inputs = {i.name for i in g.input}
+        super().__init__((t.name, t) for t in g.initializer if t.name not in inputs)
+        self._arrays: dict = {}
+
+    def array(self, name: str):
+        from onnx import numpy_helper
+
+        if name not in self._arrays:
+            self._arrays[name] = numpy_helper.to_array(self[name])
+        return self._arrays[name]
+
+
+def _weight_product(node, inits: _Constants):
     """For a MatMul or Gemm by a constant fp32 weight: (weight name, [K, N] weight, transposed,
     alpha, (bias name, beta) or None); a reason string when such a product cannot be converted;
     None for every other node."""
     import numpy as np
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     if node.domain not in ("", "ai.onnx") or node.op_type not in ("MatMul", "Gemm") or node.input[1] not in inits:
         return None
-    w = numpy_helper.to_array(inits[node.input[1]])
+    w = inits.array(node.input[1])
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if w.dtype != np.float32 or w.ndim != 2:
         return f"{node.op_type} weight of {w.ndim} dimensions, {w.dtype}"
@@ -224,10 +240,13 @@ def quantize_int8_blockwise(graph: Path, block: int = BLOCK) -> int:
     model, g, _ = _load_for_rewrite(graph)
     packed: dict[str, tuple[str, str, int, int]] = {}
     nodes, converted = [], 0
-    for node, w_name, w in _constant_matmuls(g):
-        if w is None:
+    inits = _Constants(g)
+    for node in list(g.node):
+        found = _weight_product(node, inits)
+        if node.op_type != "MatMul" or not isinstance(found, tuple):   # MatMulNBits has no bias or transposes
             nodes.append(node)
             continue
+        w_name, w = found[:2]
         if w_name not in packed:
             packed[w_name] = _pack_int8(g, w_name, w, block)
         b_name, s_name, k, n = packed[w_name]
@@ -250,24 +269,6 @@ def _load_for_rewrite(graph: Path):
         raise InvalidArgumentError(f"{graph}: int8 quantization needs ONNX opset 11 or later; this graph has opset {opset}. "
                                    "Re-export with --opset 14 or later")
     return model, model.graph, opset
-
-
-def _constant_matmuls(g):
-    """Yield (node, weight name, weight) per node of ``g``; the weight is None unless the node is a
-    MatMul by a constant 2-D fp32 [K >= 16, N] initializer (a weight that is also a graph input can
-    be overridden at run time: not a constant, left alone)."""
-    import numpy as np
-    from onnx import numpy_helper
-
-    inputs = {i.name for i in g.input}
-    inits = {t.name: t for t in g.initializer if t.name not in inputs}
-    arrays: dict[str, object] = {}
-    for node in list(g.node):
-        w_name = node.input[1] if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
-        if w_name in inits and w_name not in arrays:
-            w = numpy_helper.to_array(inits[w_name])
-            arrays[w_name] = w if w.ndim == 2 and w.dtype == np.float32 and w.shape[0] >= 16 else None
-        yield node, w_name, arrays.get(w_name)
 
 
 def _save_rewrite(model, g, nodes: list, graph: Path) -> None:
@@ -308,18 +309,25 @@ def _pack_int8(g, name: str, w, block: int) -> tuple[str, str, int, int]:
     return b_name, s_name, k, n
 
 
-def _names_taken(g) -> set[str]:
-    """Every tensor name in graph ``g``: what its nodes read and write, its inputs, outputs and initializers."""
+def _subgraphs(node):
+    """The bodies of a node's If/Loop/Scan attributes."""
     from onnx import AttributeProto
 
+    for attr in node.attribute:
+        if attr.type == AttributeProto.GRAPH:
+            yield attr.g
+        elif attr.type == AttributeProto.GRAPHS:
+            yield from attr.graphs
+
+
+def _names_taken(g) -> set[str]:
+    """Every tensor name in graph ``g``: what its nodes read and write, its inputs, outputs and initializers."""
     def written(nodes) -> set[str]:
         out = set()
         for node in nodes:
             out.update(node.output)
-            for attr in node.attribute:
-                subs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs) if attr.type == AttributeProto.GRAPHS else []
-                for sub in subs:
-                    out |= written(sub.node) | {i.name for i in sub.input}
+            for sub in _subgraphs(node):
+                out |= written(sub.node) | {i.name for i in sub.input}
         return out
 
     return (_names_used(g.node) | written(g.node) | {i.name for i in g.input} | {o.name for o in g.output}
@@ -328,15 +336,11 @@ def _names_taken(g) -> set[str]:
 
 def _names_used(nodes) -> set[str]:
     """Every tensor name the nodes read, sub-graphs (If/Loop/Scan bodies) included."""
-    from onnx import AttributeProto
-
     used = set()
     for node in nodes:
         used.update(node.input)
-        for attr in node.attribute:
-            graphs = [attr.g] if attr.type == AttributeProto.GRAPH else list(attr.graphs) if attr.type == AttributeProto.GRAPHS else []
-            for sub in graphs:
-                used |= _names_used(sub.node) | {o.name for o in sub.output}
+        for sub in _subgraphs(node):
+            used |= _names_used(sub.node) | {o.name for o in sub.output}
     return used
 
 

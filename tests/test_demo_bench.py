@@ -12,14 +12,20 @@ from edgespec.errors import InvalidArgumentError
 pytestmark = pytest.mark.slow
 
 
-def _load_script(name: str):
-    """A benchmarks/ script as a module (they are scripts, not a package)."""
+def _script(name: str):
+    """A benchmarks/ script as a module (they are scripts, not a package; siblings importable)."""
     import importlib.util
+    import sys
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    folder = Path(__file__).parents[1] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(folder))
     return mod
 
 
@@ -231,16 +237,11 @@ def test_toy_refuses_tables_too_large_for_memory(capsys):
 def test_adaptive_bound_replays_a_greedy_trace(tiny_checkpoints, tmp_path):
     """benchmarks/adaptive_bound.py runs on a bundle; its replay agrees with the real loop on how
     many target calls a static gamma needs (the trace replay is exact at temperature 0)."""
-    import importlib.util
-    from pathlib import Path
-
     import numpy as np
 
     import edgespec
 
-    spec = importlib.util.spec_from_file_location("adaptive_bound", Path(__file__).parents[1] / "benchmarks" / "adaptive_bound.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _script("adaptive_bound")
     # a draft that agrees with the target often but not always: the target with noisy weights
     import shutil
 
@@ -283,14 +284,9 @@ def test_adaptive_bound_predictors_learn_a_signal_that_decides_the_outcome():
     """Synthetic traces where the draft's confidence tells exactly which drafts are kept (0.9: kept,
     0.05: rejected): every predictor, fitted on one trace and replayed on another, must stop where
     the oracle stops (plus the one rejected draft it has to see) and beat every static gamma."""
-    import importlib.util
-    from pathlib import Path
-
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("adaptive_bound", Path(__file__).parents[1] / "benchmarks" / "adaptive_bound.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _script("adaptive_bound")
 
     def trace(seed: int) -> list[dict]:
         rng = np.random.default_rng(seed)
@@ -318,16 +314,11 @@ def test_adaptive_bound_regime_policy_follows_the_recent_keep_rate():
     rarely in hard ones: the confidence says nothing, the recent keep rate says everything. The
     regime-split policy must beat the shipped one there; with its split out of reach (always one
     regime) it must be the shipped policy (a mutant check of the regime switch)."""
-    import importlib.util
-    from pathlib import Path
-
     import numpy as np
 
     from edgespec.adaptive import AdaptiveGamma
 
-    spec = importlib.util.spec_from_file_location("adaptive_bound", Path(__file__).parents[1] / "benchmarks" / "adaptive_bound.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _script("adaptive_bound")
     rng = np.random.default_rng(0)
     easy = np.repeat(np.arange(40) % 2 == 0, 150)                       # [6000] stretches of 150 positions
     match = np.where(easy, rng.random(easy.size) < 0.97, rng.random(easy.size) < 0.3)
@@ -343,14 +334,9 @@ def test_adaptive_bound_regime_policy_follows_the_recent_keep_rate():
 def test_adaptive_bound_logistic_and_auc():
     """The predictor helpers of benchmarks/adaptive_bound.py: AUC of a perfect, a reversed and a
     useless score; the logistic fit recovers a known keep probability."""
-    import importlib.util
-    from pathlib import Path
-
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("adaptive_bound", Path(__file__).parents[1] / "benchmarks" / "adaptive_bound.py")
-    ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ab)
+    ab = _script("adaptive_bound")
     y = np.array([False, False, True, True])
     assert ab.auc(np.array([0.1, 0.2, 0.3, 0.4]), y) == 1.0
     assert ab.auc(np.array([0.4, 0.3, 0.2, 0.1]), y) == 0.0
@@ -366,17 +352,13 @@ def test_adaptive_bound_logistic_and_auc():
 def test_acceptance_signals_binned_r2_and_collect(tiny_bundle):
     """benchmarks/acceptance_signals.py: the binned R^2 is ~1 for a signal that determines the keep
     probability and ~0 for one independent of it; on a real bundle every a(x) is a probability."""
-    import importlib.util
     from pathlib import Path
 
     import numpy as np
 
     import edgespec
 
-    spec = importlib.util.spec_from_file_location("acceptance_signals",
-                                                  Path(__file__).parents[1] / "benchmarks" / "acceptance_signals.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("acceptance_signals")
     rng = np.random.default_rng(0)
     s = rng.random(20000)
     assert mod.binned_r2(np.floor(s * 10) / 10, s)[0] > 0.99
@@ -413,12 +395,7 @@ def test_bench_checks_out_first_and_iqr_stays_in_the_data(tiny_bundle, tmp_path,
 def test_int8_rows_script_shows_which_scheme_is_causal(tmp_path, monkeypatch):
     """benchmarks/int8_rows.py on small weights: the target schemes' row 0 ignores a change in a
     later row (rowwise: and equals a 1-row call's), the dynamic (draft) scheme's does not."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("int8_rows", Path(__file__).parents[1] / "benchmarks" / "int8_rows.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("int8_rows")
     monkeypatch.setattr(mod, "K", 128)
     monkeypatch.setattr(mod, "N", 256)
     assert mod.main(["--calls", "2", "--out", str(tmp_path)]) == 0
@@ -437,7 +414,7 @@ def test_call_width_script(tiny_bundle, tmp_path, monkeypatch, arch):
     and greedy speculative output equals plain decoding (the tiny models have no near-ties)."""
     import edgespec.prompts
 
-    mod = _load_script("call_width")
+    mod = _script("call_width")
 
     monkeypatch.setattr(edgespec.prompts, "CODE_PROMPTS", ("def f(x):", "ab cd"))
     assert mod.main([str(tiny_bundle(arch)), "--width", "3", "--max-new-tokens", "10", "--out", str(tmp_path)]) == 0
@@ -460,7 +437,7 @@ def test_call_width_reports_a_flip_and_short_continuations():
 
     import numpy as np
 
-    mod = _load_script("call_width")
+    mod = _script("call_width")
 
     class Target:                                       # logits favour token (last id + 1) % 5, token 4 by 0.25
         vocab_size = 5
@@ -520,12 +497,7 @@ def test_call_width_reports_a_flip_and_short_continuations():
 
 def test_verify_width_script(tmp_path, monkeypatch):
     """benchmarks/verify_width.py on small weights: a row per width, V(1) = 1, rates consistent."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("verify_width", Path(__file__).parents[1] / "benchmarks" / "verify_width.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script("verify_width")
     monkeypatch.setattr(mod.int8_rows, "K", 128)
     monkeypatch.setattr(mod.int8_rows, "N", 256)
     assert mod.main(["--calls", "2", "--widths", "1,4,2", "--peak-width", "16", "--out", str(tmp_path)]) == 0
@@ -539,22 +511,6 @@ def test_verify_width_script(tmp_path, monkeypatch):
     assert res["kernel_best_gflops"] > 0 and res["numpy_1row_gb_per_s"] > 0
     with pytest.raises(SystemExit, match="must include 1"):
         mod.main(["--widths", "2,4"])
-
-
-def _script(name: str):
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    folder = Path(__file__).parents[1] / "benchmarks"
-    sys.path.insert(0, str(folder))
-    try:
-        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(str(folder))
-    return mod
 
 
 def test_paper_tables_never_deletes_a_folder_it_did_not_write(tmp_path, tiny_checkpoints):
