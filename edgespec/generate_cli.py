@@ -92,6 +92,9 @@ def _check_flags(args: argparse.Namespace, gamma: int | None) -> None:
         raise InvalidArgumentError("--no-draft decodes with the target alone: --gamma has no effect; drop one of them")
     if args.json and args.show_drafts:
         raise InvalidArgumentError("--json already gives each token's source ('sources'); drop --show-drafts or --json")
+    if args.no_draft and args.show_drafts:
+        raise InvalidArgumentError("--no-draft decodes with the target alone: every token is the target's, so "
+                                   "--show-drafts has nothing to mark; drop one of them")
     if args.no_draft and args.lenience != 1.0:
         raise InvalidArgumentError("--no-draft decodes with the target alone: --lenience has no effect; drop one of them")
     draft_flags = [f for f, on in (("--draft-threads", args.draft_threads is not None),
@@ -128,9 +131,12 @@ def run(args: argparse.Namespace) -> int:
                   draft_threads=1 if args.draft_threads is None else args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",
                   runtime=args.runtime, platform=args.platform)
-    if not engine.has_draft and args.draft != "ngram" and not args.no_draft and gamma is not None:
-        raise InvalidArgumentError(f"{args.bundle} has no draft model, so --gamma has no effect (plain decoding); "
-                                   "export it with --draft, draft by prompt lookup with --draft ngram, or drop --gamma")
+    if not engine.has_draft and args.draft != "ngram" and not args.no_draft:
+        idle = [f for f, on in (("--gamma", gamma is not None), ("--show-drafts", args.show_drafts)) if on]
+        if idle:
+            raise InvalidArgumentError(f"{args.bundle} has no draft model, so {' and '.join(idle)} "
+                                       f"{'has' if len(idle) == 1 else 'have'} no effect (plain decoding); export it "
+                                       f"with --draft, draft by prompt lookup with --draft ngram, or drop {' and '.join(idle)}")
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   gamma=gamma, lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft,
                   drafter=args.draft)

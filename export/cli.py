@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                                    "the model with --quantize-target / --quantize")
     options = ExportOptions(
         quantize_target=args.quantize_target or args.quantize,
-        quantize_draft=args.quantize_draft or args.quantize,
+        quantize_draft=(args.quantize_draft or args.quantize) if args.draft else "none",
         dtype=args.dtype,
         opset=args.opset,
         atol=DEFAULT_ATOL if args.atol is None else args.atol,

@@ -284,6 +284,9 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
     """
     progress = progress or (lambda message: None)
     roles: dict[str, Checkpoint] = {contract.ROLE_TARGET: inspect_checkpoint(target, contract.ROLE_TARGET)}
+    if draft is None and options.quantize_draft != "none":
+        raise InvalidArgumentError(f"quantize_draft={options.quantize_draft!r}: this export has no draft; pass draft=, or "
+                                   "drop quantize_draft (quantize_target sets the target's precision)")
     if draft is not None:
         roles[contract.ROLE_DRAFT] = inspect_checkpoint(draft, contract.ROLE_DRAFT)
         t, d = roles[contract.ROLE_TARGET], roles[contract.ROLE_DRAFT]
@@ -332,7 +335,9 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_partials(dest)
-        _check_free_space(dest.parent, roles, xla is not None)
+        quantized = frozenset(role for role in roles if (options.quantize_target if role == contract.ROLE_TARGET
+                                                          else options.quantize_draft) != "none")
+        _check_free_space(dest.parent, roles, xla is not None, layouts, quantized)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     except OSError as exc:
         raise _as_disk_full(exc, dest.parent, roles) or exc
@@ -451,20 +456,30 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _estimate_bytes(roles: dict[str, Checkpoint], with_xla: bool) -> int:
-    """Rough size of the bundle: fp32 weights per model (ONNX graphs hold them once; XLA once more)."""
+def _estimate_bytes(roles: dict[str, Checkpoint], with_xla: bool, layouts: dict[str, str] | None = None,
+                    quantized: frozenset[str] = frozenset()) -> int:
+    """Rough peak disk use of the export: fp32 weights per model (ONNX graphs hold them once, and a
+    static-KV graph holds a tied embedding twice: table and LM head; XLA once more), plus, for a role
+    quantized to int8, its rewrite beside the fp32 graph until it replaces it (the embedding in fp32
+    and a quarter of the rest)."""
     total = 0
-    for ckpt in roles.values():
+    for role, ckpt in roles.items():
         weights = sum(p.stat().st_size for p in ckpt.path.glob("*.safetensors"))
         dtype = str(ckpt.config.get("torch_dtype") or ckpt.config.get("dtype") or "float32")
         fp32 = weights * (2 if ("16" in dtype) else 1)
+        cfg = ckpt.config
+        hidden = cfg.get("hidden_size") or cfg.get("n_embd") or cfg.get("d_model") or 0
+        embedding = 4 * int(cfg.get("vocab_size") or 0) * int(hidden) if isinstance(hidden, int) else 0
+        graph = fp32 + (embedding if (layouts or {}).get(role) == contract.KV_STATIC and cfg.get("tie_word_embeddings", True) else 0)
         copies = 2 if ckpt.kind == contract.KIND_SEQ2SEQ else 1  # two decoder graphs
-        total += fp32 * (copies + (1 if with_xla else 0)) + (1 << 20)
+        rewrite = (embedding + (graph - embedding) // 4) * copies if role in quantized else 0
+        total += graph * copies + rewrite + (fp32 if with_xla else 0) + (1 << 20)
     return total
 
 
-def _check_free_space(folder: Path, roles: dict[str, Checkpoint], with_xla: bool) -> None:
-    need = _estimate_bytes(roles, with_xla)
+def _check_free_space(folder: Path, roles: dict[str, Checkpoint], with_xla: bool, layouts: dict[str, str],
+                      quantized: frozenset[str]) -> None:
+    need = _estimate_bytes(roles, with_xla, layouts, quantized)
     free = shutil.disk_usage(folder).free
     if free < need:
         raise DiskFullError(

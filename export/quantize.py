@@ -9,6 +9,8 @@ from pathlib import Path
 from edgespec import contract
 from edgespec.errors import InvalidArgumentError
 
+from .external_data import DataFile, initializer_bytes
+
 QUANT_CHOICES = ("none", "int8")
 # What "int8" means per role (see quantize_int8_rowwise for why the target's differs).
 QUANT_LABEL = {contract.ROLE_TARGET: {"none": "none", "int8": contract.QUANT_ROWWISE_INT8},
@@ -77,7 +79,7 @@ def quantize_int8_rowwise(graph: Path) -> tuple[int, list[str]]:
     whose later calls attend to the keys and values such a call wrote (``benchmarks/call_width.py``).
     """
     import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     model, g, opset = _load_for_rewrite(graph)
     names = _names_taken(g)
@@ -90,14 +92,13 @@ def quantize_int8_rowwise(graph: Path) -> tuple[int, list[str]]:
         return name
 
     consts = {key: fresh(f"edgespec.rowq.{key}") for key in ("tiny", "inv127", "zp", "offset", "lo", "hi", "axes")}
-    g.initializer.extend([
-        numpy_helper.from_array(np.array(1e-30, np.float32), consts["tiny"]),     # an all-zero row: scale > 0
-        numpy_helper.from_array(np.array(1 / 127, np.float32), consts["inv127"]),
-        numpy_helper.from_array(np.array(128, np.uint8), consts["zp"]),           # uint8 x int8: the fast kernel
-        numpy_helper.from_array(np.array(128, np.float32), consts["offset"]),
-        numpy_helper.from_array(np.array(0, np.float32), consts["lo"]),
-        numpy_helper.from_array(np.array(255, np.float32), consts["hi"]),
-        numpy_helper.from_array(np.array([-1], np.int64), consts["axes"])])
+    added = {consts["tiny"]: np.array(1e-30, np.float32),     # an all-zero row: scale > 0
+             consts["inv127"]: np.array(1 / 127, np.float32),
+             consts["zp"]: np.array(128, np.uint8),           # uint8 x int8: the fast kernel
+             consts["offset"]: np.array(128, np.float32),
+             consts["lo"]: np.array(0, np.float32),
+             consts["hi"]: np.array(255, np.float32),
+             consts["axes"]: np.array([-1], np.int64)}        # new initializers: name -> array
     rows: dict[str, tuple[str, str]] = {}    # activation name -> (uint8 rows, row scales)
 
     def quantize_rows(x: str) -> tuple[str, str]:
@@ -122,7 +123,7 @@ def quantize_int8_rowwise(graph: Path) -> tuple[int, list[str]]:
     packed: dict[tuple, tuple[str, str]] = {}   # (weight name, transposed, alpha) -> (int8 weight, column scales)
     new_nodes: list = []
     converted, skipped = 0, []
-    inits = _Constants(g)
+    inits = _Constants(g, graph.parent)
     for node in list(g.node):
         found = _weight_product(node, inits)
         if isinstance(found, str) or found is None:
@@ -134,8 +135,7 @@ def quantize_int8_rowwise(graph: Path) -> tuple[int, list[str]]:
         if key not in packed:
             q, scale = _quantize_columns(w)
             packed[key] = (fresh(w_name + ".int8"), fresh(w_name + ".col_scales"))
-            g.initializer.extend([numpy_helper.from_array(q, packed[key][0]),
-                                  numpy_helper.from_array((scale * np.float32(alpha)).astype(np.float32), packed[key][1])])
+            added[packed[key][0]], added[packed[key][1]] = q, (scale * np.float32(alpha)).astype(np.float32)
         q_x, s_x = quantize_rows(node.input[0])
         q_w, s_w = packed[key]
         out = node.output[0]
@@ -152,16 +152,15 @@ def quantize_int8_rowwise(graph: Path) -> tuple[int, list[str]]:
             if beta != 1.0:
                 scaled = fresh(c_name + ".beta")
                 if c_name in inits:
-                    g.initializer.append(numpy_helper.from_array((inits.array(c_name) * np.float32(beta)).astype(np.float32),
-                                                                 scaled))
+                    added[scaled] = (inits.array(c_name) * np.float32(beta)).astype(np.float32)
                 else:
                     beta_name = fresh(c_name + ".beta_value")
-                    g.initializer.append(numpy_helper.from_array(np.array(beta, np.float32), beta_name))
+                    added[beta_name] = np.array(beta, np.float32)
                     new_nodes.append(helper.make_node("Mul", [c_name, beta_name], [scaled]))
                 c_name = scaled
             new_nodes.append(helper.make_node("Add", [product, c_name], [out]))
         converted += 1
-    _save_rewrite(model, g, new_nodes, graph)
+    _save_rewrite(model, g, new_nodes, added, graph)
     return converted, skipped
 
 
@@ -169,16 +168,17 @@ class _Constants(dict):
     """A graph's initializers that are not graph inputs (an input can be overridden at run time:
     not a constant), by name, with each one's numpy array made once however many nodes read it."""
 
-    def __init__(self, g):
+    def __init__(self, g, base_dir: Path):
         inputs = {i.name for i in g.input}
         super().__init__((t.name, t) for t in g.initializer if t.name not in inputs)
         self._arrays: dict = {}
+        self._base_dir = base_dir  # where the graph's external data lives
 
     def array(self, name: str):
         from onnx import numpy_helper
 
         if name not in self._arrays:
-            self._arrays[name] = numpy_helper.to_array(self[name])
+            self._arrays[name] = numpy_helper.to_array(self[name], base_dir=str(self._base_dir))
         return self._arrays[name]
 
 
@@ -239,8 +239,8 @@ def quantize_int8_blockwise(graph: Path, block: int = BLOCK) -> int:
 
     model, g, _ = _load_for_rewrite(graph)
     packed: dict[str, tuple[str, str, int, int]] = {}
-    nodes, converted = [], 0
-    inits = _Constants(g)
+    nodes, converted, added = [], 0, {}
+    inits = _Constants(g, graph.parent)
     for node in list(g.node):
         found = _weight_product(node, inits)
         if node.op_type != "MatMul" or not isinstance(found, tuple):   # MatMulNBits has no bias or transposes
@@ -248,22 +248,22 @@ def quantize_int8_blockwise(graph: Path, block: int = BLOCK) -> int:
             continue
         w_name, w = found[:2]
         if w_name not in packed:
-            packed[w_name] = _pack_int8(g, w_name, w, block)
+            packed[w_name] = _pack_int8(added, w_name, w, block)
         b_name, s_name, k, n = packed[w_name]
         nodes.append(helper.make_node("MatMulNBits", [node.input[0], b_name, s_name], list(node.output), name=node.name,
                                       domain="com.microsoft", K=k, N=n, bits=8, block_size=block, accuracy_level=4))
         converted += 1
     if not any(o.domain == "com.microsoft" for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    _save_rewrite(model, g, nodes, graph)
+    _save_rewrite(model, g, nodes, added, graph)
     return converted
 
 
 def _load_for_rewrite(graph: Path):
-    """(model with its external data, its graph, its default-domain opset)."""
+    """(model, its graph, its default-domain opset); external weights stay on disk until read."""
     import onnx
 
-    model = onnx.load(str(graph))
+    model = onnx.load(str(graph), load_external_data=False)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     if opset < 11:  # Round, Clip with min/max inputs
         raise InvalidArgumentError(f"{graph}: int8 quantization needs ONNX opset 11 or later; this graph has opset {opset}. "
@@ -271,29 +271,38 @@ def _load_for_rewrite(graph: Path):
     return model, model.graph, opset
 
 
-def _save_rewrite(model, g, nodes: list, graph: Path) -> None:
-    """Give ``g`` its new nodes, drop initializers nothing reads any more, and write it over ``graph``."""
+def _save_rewrite(model, g, nodes: list, added: dict, graph: Path) -> None:
+    """Give ``g`` its new nodes and the new initializers ``added`` (name -> array), drop initializers
+    nothing reads any more, and write it over ``graph``: in one file, or, past EXTERNAL_DATA_ABOVE,
+    with its weights streamed into ``<graph>.int8.data`` (see external_data.py: protobuf's 2 GiB)."""
     import onnx
+    from onnx import external_data_helper, numpy_helper
 
     used = _names_used(nodes) | {o.name for o in g.output}
     kept = [t for t in g.initializer if t.name in used]
+    added = {name: array for name, array in added.items() if name in used}
     del g.node[:]
     g.node.extend(nodes)
-    del g.initializer[:]
-    g.initializer.extend(kept)
-    tmp = graph.with_name(graph.stem + ".int8.onnx")
-    if model.ByteSize() > 1 << 30:  # protobuf's 2 GiB limit: large graphs keep their weights beside them
-        onnx.save(model, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=graph.name + ".int8.data", size_threshold=1024)
+    if initializer_bytes(kept) + sum(a.nbytes for a in added.values()) > EXTERNAL_DATA_ABOVE:
+        with DataFile(graph.with_name(graph.name + ".int8.data")) as data:
+            tensors = [data.adopt(t, graph.parent) for t in kept] + [data.tensor(n, a) for n, a in added.items()]
     else:
-        onnx.save(model, str(tmp))
+        for t in kept:
+            if external_data_helper.uses_external_data(t):
+                external_data_helper.load_external_data_for_tensor(t, str(graph.parent))
+                t.data_location = onnx.TensorProto.DEFAULT
+                del t.external_data[:]
+        tensors = kept + [numpy_helper.from_array(a, n) for n, a in added.items()]
+    del g.initializer[:]
+    g.initializer.extend(tensors)
+    tmp = graph.with_name(graph.stem + ".int8.onnx")
+    onnx.save(model, str(tmp))
     _replace(tmp, graph)
 
 
-def _pack_int8(g, name: str, w, block: int) -> tuple[str, str, int, int]:
-    """Add MatMulNBits' B and scales for a [K, N] weight to graph ``g``; return (B name, scales name, K, N)."""
+def _pack_int8(added: dict, name: str, w, block: int) -> tuple[str, str, int, int]:
+    """Add MatMulNBits' B and scales for a [K, N] weight to ``added``; return (B name, scales name, K, N)."""
     import numpy as np
-    from onnx import numpy_helper
 
     k, n = w.shape
     blocks = -(-k // block)
@@ -304,8 +313,8 @@ def _pack_int8(g, name: str, w, block: int) -> tuple[str, str, int, int]:
     scale[scale == 0] = 1.0
     q = np.clip(np.rint(wt / scale[..., None]), -127, 127).astype(np.int16) + 128   # zero point 128
     b_name, s_name = name + ".int8", name + ".scales"
-    g.initializer.extend([numpy_helper.from_array(q.astype(np.uint8), b_name),      # [N, blocks, block]
-                          numpy_helper.from_array(scale.reshape(-1), s_name)])     # [N * blocks]
+    added[b_name] = q.astype(np.uint8)                                      # [N, blocks, block]
+    added[s_name] = scale.reshape(-1)                                       # [N * blocks]
     return b_name, s_name, k, n
 
 

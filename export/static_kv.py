@@ -29,6 +29,8 @@ import numpy as np
 
 from edgespec import contract
 
+from .external_data import DataFile
+
 OPSET = 17
 DATA_SUFFIX = ".data"  # weights live in <graph>.data next to the graph (external data, same folder)
 GQA_HEAD_MULTIPLE = 16  # ONNX Runtime's CPU GroupQueryAttention kernel requires it
@@ -68,18 +70,18 @@ def unsupported_reason(model_type: str, config: dict) -> str | None:
 class _Graph:
     """Nodes, initializers and IO of the graph being written."""
 
-    def __init__(self, state: dict[str, np.ndarray]):
-        from onnx import TensorProto, helper, numpy_helper
+    def __init__(self, state: dict[str, np.ndarray], data: DataFile):
+        from onnx import TensorProto, helper
 
-        self.oh, self.nh, self.tp = helper, numpy_helper, TensorProto
-        self.state = state
+        self.oh, self.tp = helper, TensorProto
+        self.state, self.data = state, data
         self.nodes, self.inits = [], []
         self.inputs = [helper.make_tensor_value_info(contract.INPUT_IDS, TensorProto.INT64, [1, "new"]),
                        helper.make_tensor_value_info(contract.ATTENTION_MASK, TensorProto.INT64, [1, "total"])]
         self.outputs = []
 
     def weight(self, name: str, arr: np.ndarray, dtype=np.float32) -> str:
-        self.inits.append(self.nh.from_array(np.ascontiguousarray(arr, dtype=dtype), name))
+        self.inits.append(self.data.tensor(name, np.asarray(arr, dtype=dtype)))  # large ones: written now
         return name
 
     def op(self, op_type: str, inputs: list[str], outputs: list[str], domain: str = "", **attrs):
@@ -127,8 +129,7 @@ class _Graph:
         model = self.oh.make_model(graph, opset_imports=[self.oh.make_opsetid("", OPSET), self.oh.make_opsetid("com.microsoft", 1)],
                                    producer_name="edgespec")
         model.ir_version = 8
-        onnx.save(model, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=out_path.name + DATA_SUFFIX, size_threshold=1024)
+        onnx.save(model, str(out_path))  # the weights are in the data file already
         return OPSET
 
 
@@ -225,7 +226,8 @@ BUILDERS = {"llama": _llama, "gpt2": _gpt2}
 def build(model, model_type: str, config: dict, out_path: Path, max_positions: int) -> int:
     """Write the static-KV graph of a transformers ``model`` to ``out_path``; return the opset."""
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    g = _Graph(state)
-    g.lengths()
-    vocab = BUILDERS[model_type](g, config, max_positions)
+    with DataFile(out_path.with_name(out_path.name + DATA_SUFFIX)) as data:
+        g = _Graph(state, data)
+        g.lengths()
+        vocab = BUILDERS[model_type](g, config, max_positions)
     return g.save(out_path, vocab)

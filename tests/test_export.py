@@ -280,6 +280,12 @@ def test_quantize_draft_without_a_draft_is_refused(tiny_checkpoints, tmp_path, c
     for args in (["--model", str(target)], ["--target", str(target)]):
         _cli_fails(["export", *args, "--out", str(tmp_path / "o"), "--quantize-draft", "int8"], capsys, "no draft")
         assert _nothing_written(tmp_path / "o")
+    # the Python API refuses it too (the CLI's --quantize, for both models, no longer reaches it as a draft setting)
+    from edgespec.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="no draft; pass draft="):
+        export_bundle(target, tmp_path / "o", options=ExportOptions(quantize_draft="int8"), progress=None)
+    assert _nothing_written(tmp_path / "o")
 
 
 def test_mixed_kinds_refused(tiny_checkpoints, tmp_path):

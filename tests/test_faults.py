@@ -154,6 +154,40 @@ def test_not_enough_free_space_is_refused_before_any_work(tiny_checkpoints, tmp_
     assert not out.exists() and not list(tmp_path.glob(".bundle.*"))
 
 
+def test_free_space_estimate_covers_the_peak(tmp_path, monkeypatch):
+    """The estimate checked before an export covers what the export really puts on disk at its
+    peak: a tied embedding written twice by the static-KV graph (table and LM head), and an int8
+    rewrite beside the fp32 graph until it replaces it. It counted the checkpoint's weights once."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import tiny_models
+    from edgespec.export import pipeline, quantize
+    from edgespec.export.checkpoint import inspect_checkpoint
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, bos_token_id=3, eos_token_id=1, pad_token_id=0,
+                      tie_word_embeddings=True)
+    ckpt = tiny_models._save(LlamaForCausalLM(cfg).eval(), tmp_path / "ckpt")
+    peak = [0]
+    real_replace = quantize._replace
+
+    def measure(tmp, graph):  # the moment both graphs are on disk
+        peak[0] = max(peak[0], sum(p.stat().st_size for p in (tmp_path / "out").parent.rglob("*")
+                                   if p.is_file() and ".partial-" in str(p)))
+        return real_replace(tmp, graph)
+
+    monkeypatch.setattr(quantize, "_replace", measure)
+    pipeline.export_bundle(ckpt, tmp_path / "out", options=pipeline.ExportOptions(quantize_target="int8"), progress=None)
+    roles = {"target": inspect_checkpoint(ckpt, "target")}
+    slack = 1 << 20
+    weights = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
+    assert peak[0] > weights + slack                                # what the old estimate said
+    assert pipeline._estimate_bytes(roles, False, {"target": contract.KV_STATIC}, frozenset({"target"})) >= peak[0]
+    assert pipeline._estimate_bytes(roles, False, {"target": contract.KV_STATIC}, frozenset()) < peak[0]
+
+
 # ---------------------------------------------------------------------- threads and streams
 @pytest.fixture(scope="module")
 def engine(tiny_bundle):

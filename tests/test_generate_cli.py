@@ -61,6 +61,7 @@ def test_contradictory_flags(tiny_bundle, capsys):
     _fails(["generate", b, "--prompt", "x", "--platform", "tpu"], capsys, "--runtime xla")
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--lenience", "0.5"], capsys, "--lenience has no effect")
     _fails(["generate", b, "--prompt", "x", "--json", "--show-drafts"], capsys, "drop --show-drafts or --json")
+    _fails(["generate", b, "--prompt", "x", "--no-draft", "--show-drafts"], capsys, "--show-drafts has nothing to mark")
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--draft-threads", "2"], capsys, "--draft-threads has no effect")
     _fails(["generate", b, "--prompt", "x", "--draft", "ngram", "--draft-provider", "cpu"], capsys,
            "--draft ngram uses no draft model: --draft-provider has no effect")
@@ -209,5 +210,7 @@ def test_gamma_on_a_single_model_bundle_is_an_error(bundle_copy, capsys):
     shutil.rmtree(b / "draft")
     argv = ["generate", str(b), "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "4"]
     _fails(argv + ["--gamma", "3"], capsys, "has no draft model, so --gamma has no effect")
+    _fails(argv + ["--show-drafts"], capsys, "has no draft model, so --show-drafts has no effect")
+    _fails(argv + ["--gamma", "3", "--show-drafts"], capsys, "so --gamma and --show-drafts have no effect")
     assert main(argv + ["--gamma", "3", "--draft", "ngram"]) == 0
     assert main(argv) == 0
