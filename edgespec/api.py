@@ -32,6 +32,7 @@ from .adaptive import AdaptiveGamma
 from .bundle import BundleManifest, load_bundle
 from .config import GenerationConfig, SamplingConfig, as_int
 from .drafters import LookaheadDrafter, NgramDrafter
+from .report import usable_cores
 from .errors import (BundleError, EdgeSpecWarning, EngineBusyError, InvalidArgumentError, PromptTooLongError,
                      TokenizerMismatchError)
 
@@ -493,21 +494,17 @@ def gamma_bound(fixed_gammas: Sequence[int], width: int | None, name: str = "gam
     return min(bound, width - 1)
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def default_target_threads(lookahead: bool) -> int:
     """The CLI's default target threads: ORT's (0), or with the lookahead drafter all cores but one
     (its drafting thread needs a core of its own)."""
-    return max(1, _cores() - 1) if lookahead else 0
+    return max(1, usable_cores() - 1) if lookahead else 0
 
 
 def warn_if_no_spare_core(threads: int | None) -> None:
     """The lookahead drafter's worker needs a core the target leaves free."""
     if threads is None:
         return
-    cores = _cores()
+    cores = usable_cores()
     if threads == 0 or threads >= cores:
         warnings.warn(
             f"drafter='lookahead' with the target on {'all' if threads == 0 else threads} of {cores} cores: the draft's "

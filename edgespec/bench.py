@@ -103,8 +103,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the target verifies, on a second thread) (default model)")
     p.add_argument("--prompts", type=Path, default=None,
                    help="text file, prompts separated by lines holding only '---' (default: built-in held-out code prompts)")
-    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    p.add_argument("--repeats", type=int, default=5, help="measured repeats after one warm-up (default 5)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--repeats", type=at_least(1), default=5, help="measured repeats after one warm-up (default 5)")
     p.add_argument("--seed", type=at_least(0), default=0)
     p.add_argument("--provider", default="cpu", help="execution providers, comma list in priority order")
     p.add_argument("--threads", type=int, default=None,
@@ -144,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
     from .generate_cli import refuse_ort_flags
     from .outputs import check_writable
 
-    if args.repeats < 1 or args.max_new_tokens < 1:
-        raise InvalidArgumentError("--repeats and --max-new-tokens must be >= 1")
     grid = build_grid(_parse_list(args.gammas, _gamma, "gammas"), _parse_list(args.temperatures, float, "temperatures"),
                       args.top_k, args.top_p, _parse_list(args.lenience, float, "lenience"),
                       _parse_list(args.draft, str, "draft"))

@@ -26,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus", nargs="*", type=Path, default=None,
                    help="text files to train on (default: this Python's standard library source)")
     p.add_argument("--gamma", default="4", help="draft tokens per round, or 'auto' (adaptive)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=3, help="measured repeats after one warm-up (default 3)")
-    p.add_argument("--threads", type=int, default=1, help="ORT intra-op threads per model (default 1)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=96)
+    p.add_argument("--repeats", type=at_least(1), default=3, help="measured repeats after one warm-up (default 3)")
+    p.add_argument("--threads", type=at_least(0), default=1, help="ORT intra-op threads per model (default 1)")
     p.add_argument("--seed", type=at_least(0), default=0)
 
 
@@ -68,8 +68,6 @@ def run(args: argparse.Namespace) -> int:
 
     # every option is checked before minutes of training
     gamma = parse_gamma(args.gamma, "--gamma")
-    if args.repeats < 1 or args.max_new_tokens < 1 or args.threads < 0:
-        raise InvalidArgumentError("--repeats and --max-new-tokens must be >= 1, --threads >= 0 (0 = ONNX Runtime's default)")
     get_preset(args.preset)
     t_all = time.perf_counter()
     log(f"step 1/4: the {args.preset} pair (trained once, then cached)")

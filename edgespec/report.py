@@ -12,11 +12,18 @@ from . import theory
 from .outputs import usual_permissions
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one, else all)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def machine_description() -> dict:
     import numpy as np
 
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "numpy": np.__version__}
+            # the cores this process may run on (a container's or taskset's limit), and the host's
+            "cpu_count": usable_cores(), "host_cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "numpy": np.__version__}
     try:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]

@@ -215,13 +215,23 @@ def test_bench_prompt_file_separators(tmp_path):
             read_prompts(f)
 
 
+def _exit_code(argv) -> int:
+    """The CLI's exit status: main's return value, or argparse's for a usage error (SystemExit)."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
 def test_demo_checks_its_options_before_training(monkeypatch, capsys):
     import edgespec.pair
 
     monkeypatch.setattr(edgespec.pair, "train_pair", lambda *a, **k: pytest.fail("trained before checking the options"))
     for extra, needle in ((["--gamma", "foo"], "--gamma"), (["--gamma", "0"], "--gamma"), (["--repeats", "0"], "--repeats"),
+                          (["--max-new-tokens", "0"], "--max-new-tokens"), (["--threads", "-1"], "--threads"),
+                          (["--repeats", "2.5"], "--repeats: expected an integer"),
                           (["--preset", "bogus"], "unknown preset 'bogus'")):
-        assert main(["demo", *extra]) == 2, extra
+        assert _exit_code(["demo", *extra]) == 2, extra
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err and "step 1/4" not in err, (extra, err)
 
@@ -390,6 +400,10 @@ def test_bench_checks_out_first_and_iqr_stays_in_the_data(tiny_bundle, tmp_path,
                  "--max-new-tokens", "4", "--out", str(afile)]) == 2
     err = capsys.readouterr().err
     assert "is a file" in err and "[bench]" not in err and "Traceback" not in err   # refused before measuring
+    for extra in (["--repeats", "0"], ["--max-new-tokens", "0"]):
+        assert _exit_code(["bench", str(tiny_bundle("llama")), "--gammas", "2", *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"{extra[0]}: must be >= 1, got 0" in err and "[bench]" not in err and "Traceback" not in err
 
 
 def test_int8_rows_script_shows_which_scheme_is_causal(tmp_path, monkeypatch):
@@ -603,3 +617,18 @@ def test_the_draft_is_prefilled_after_the_first_token():
     assert target.calls == 1 and draft.calls == 0
     next(it)
     assert draft.calls >= 1
+
+
+def test_machine_description_counts_the_cores_this_process_may_use(monkeypatch):
+    """A benchmark's machine line says how many cores the run could use (a container's or taskset's
+    limit), not the host's count; the host's is kept beside it."""
+    import os
+
+    from edgespec import report
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this OS")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    info = report.machine_description()
+    assert info["cpu_count"] == 1 and info["host_cpu_count"] == 64
