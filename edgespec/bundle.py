@@ -57,7 +57,7 @@ class BundleManifest:
     schema_version: int
     models: dict[str, ModelManifest]  # role -> model
     shared_vocab_size: int  # embedding rows both models have (= target vocab if no draft); prompts for speculation stay below it
-    opset: int
+    opset: int  # the highest default-domain ONNX opset of the bundle's graphs
     library_versions: dict[str, str]
     tokenizer_check: dict[str, Any] = field(default_factory=dict)
     # Extra formats beside ONNX, e.g. {"xla": {"target": {...}, "draft": {...}}} (role/xla/xla.json).

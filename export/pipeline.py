@@ -349,7 +349,8 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         models, opset = {}, 0
         for role, ckpt in roles.items():
             quant = options.quantize_target if role == contract.ROLE_TARGET else options.quantize_draft
-            models[role], opset = _export_one(ckpt, role, tmp / role, quant, layouts[role], options, progress)
+            models[role], model_opset = _export_one(ckpt, role, tmp / role, quant, layouts[role], options, progress)
+            opset = max(opset, model_opset)  # the manifest's: the highest, what the runtime must support
         if draft is not None:
             # Actual embedding rows (config vocab_size may be absent or stale).
             tok_record = shared_vocab(load_vocab(tmp / contract.ROLE_TARGET), load_vocab(tmp / contract.ROLE_DRAFT),

@@ -110,6 +110,14 @@ def test_opset_applies_to_optimum_graphs_only(tiny_checkpoints, tmp_path, capsys
     assert main(["export", "--model", str(target), "--out", str(tmp_path / "b"), "--opset", "17", "--graph", "optimum",
                  "--quiet"]) == 0
     assert load_bundle(tmp_path / "b").opset == 17
+    # a static target (opset 17) with a traced draft at opset 14: the manifest gives the highest (it gave the last)
+    from tiny_models import make_llama
+
+    odd = make_llama(tmp_path / "head8", hidden=32, heads=4, kv_heads=2)  # head size 8: no static graph
+    assert main(["export", "--target", str(target), "--draft", str(odd), "--out", str(tmp_path / "c"), "--opset", "14",
+                 "--quiet"]) == 0
+    m = load_bundle(tmp_path / "c")
+    assert (m.target.kv_layout, m.models["draft"].kv_layout, m.opset) == (contract.KV_STATIC, contract.KV_CONCAT, 17)
 
 
 def test_manifest_kv_layout_checked(bundle_copy):
