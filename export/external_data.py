@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 INLINE_BELOW = 1024  # bytes: smaller tensors stay inside the graph (scalars, split sizes, axes)
-ALIGN = 4096  # large tensors start on a page boundary, so a runtime may memory-map them
+ALIGN = 4096  # large tensors start on a page boundary (Linux), so a runtime may memory-map them
 
 
 class DataFile:
@@ -29,7 +29,7 @@ class DataFile:
 
     def __init__(self, path: Path):
         self.path, self.location = path, path.name
-        self._fh = open(path, "wb")
+        self._fh = open(path, "xb")  # never an existing file: it may be the one being adopted from
 
     def __enter__(self) -> "DataFile":
         return self
@@ -40,12 +40,13 @@ class DataFile:
     def tensor(self, name: str, array: np.ndarray):
         from onnx import TensorProto, helper, numpy_helper
 
-        array = np.ascontiguousarray(array)
-        if array.nbytes < INLINE_BELOW:
+        array = np.require(array, requirements="C")  # keeps a scalar's shape [] (ascontiguousarray gives [1])
+        if array.nbytes < INLINE_BELOW or array.dtype.kind in "OUS":  # strings are not raw bytes
             return numpy_helper.from_array(array, name)
-        if sys.byteorder != "little":  # ONNX stores raw data little-endian
-            array = array.astype(array.dtype.newbyteorder("<"))
-        proto = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+        data_type = helper.np_dtype_to_tensor_dtype(array.dtype.newbyteorder("="))
+        if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder != "little"):
+            array = array.astype(array.dtype.newbyteorder("<"))  # ONNX stores raw data little-endian
+        proto = TensorProto(name=name, data_type=data_type, dims=array.shape)
         offset = self._append(memoryview(array.reshape(-1)).cast("B"))
         return self._point(proto, offset, array.nbytes)
 
@@ -64,6 +65,7 @@ class DataFile:
         source = base_dir / info.location  # a graph the exporter wrote itself, in its folder
         proto = TensorProto()
         proto.CopyFrom(tensor)
+        proto.ClearField("raw_data")  # older onnx's to_array(base_dir=...) cached the bytes here
         with open(source, "rb") as src:
             src.seek(info.offset or 0)
             start = self._aligned()

@@ -332,15 +332,16 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         tok_record = shared_vocab(load_vocab(t.path), load_vocab(d.path),
                                   int(t.config.get("vocab_size", 0)), int(d.config.get("vocab_size", 0)))
 
+    quantized = frozenset(role for role in roles if (options.quantize_target if role == contract.ROLE_TARGET
+                                                      else options.quantize_draft) != "none")
+    need = _estimate_bytes(roles, xla is not None, layouts, quantized)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_partials(dest)
-        quantized = frozenset(role for role in roles if (options.quantize_target if role == contract.ROLE_TARGET
-                                                          else options.quantize_draft) != "none")
-        _check_free_space(dest.parent, roles, xla is not None, layouts, quantized)
+        _check_free_space(dest.parent, need)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     except OSError as exc:
-        raise _as_disk_full(exc, dest.parent, roles) or exc
+        raise _as_disk_full(exc, dest.parent, need) or exc
     token = uuid.uuid4().hex
     _LIVE_EXPORTS.add(token)
     try:
@@ -388,13 +389,13 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         _fsync_dir(dest.parent)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        full = _as_disk_full(exc, dest.parent, roles)
+        full = _as_disk_full(exc, dest.parent, need)
         if full is not None:
             raise full from exc
         raise
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        full = _as_disk_full(exc, dest.parent, roles)  # a library may wrap the OSError in its own error
+        full = _as_disk_full(exc, dest.parent, need)  # a library may wrap the OSError in its own error
         if full is not None:
             raise full from exc
         raise
@@ -460,9 +461,9 @@ def _fsync_dir(folder: Path) -> None:
 def _estimate_bytes(roles: dict[str, Checkpoint], with_xla: bool, layouts: dict[str, str] | None = None,
                     quantized: frozenset[str] = frozenset()) -> int:
     """Rough peak disk use of the export: fp32 weights per model (ONNX graphs hold them once, and a
-    static-KV graph holds a tied embedding twice: table and LM head; XLA once more), plus, for a role
-    quantized to int8, its rewrite beside the fp32 graph until it replaces it (the embedding in fp32
-    and a quarter of the rest)."""
+    static-KV graph holds a tied embedding twice, table and LM head, plus its rotary tables; XLA once
+    more), plus, for a role quantized to int8, its rewrite beside the fp32 graph until it replaces it
+    (the embedding and the rotary tables in fp32, a quarter of the rest)."""
     total = 0
     for role, ckpt in roles.items():
         weights = sum(p.stat().st_size for p in ckpt.path.glob("*.safetensors"))
@@ -471,16 +472,20 @@ def _estimate_bytes(roles: dict[str, Checkpoint], with_xla: bool, layouts: dict[
         cfg = ckpt.config
         hidden = cfg.get("hidden_size") or cfg.get("n_embd") or cfg.get("d_model") or 0
         embedding = 4 * int(cfg.get("vocab_size") or 0) * int(hidden) if isinstance(hidden, int) else 0
-        graph = fp32 + (embedding if (layouts or {}).get(role) == contract.KV_STATIC and cfg.get("tie_word_embeddings", True) else 0)
+        graph, fp32_kept = fp32, embedding
+        if (layouts or {}).get(role) == contract.KV_STATIC:
+            graph += embedding if cfg.get("tie_word_embeddings", True) else 0
+            if ckpt.model_type == "llama":  # cos and sin tables [max_positions, head / 2], fp32
+                heads = cfg.get("num_attention_heads") or 1
+                rotary = 4 * _max_positions(ckpt) * int(cfg.get("head_dim") or int(hidden) // int(heads))
+                graph, fp32_kept = graph + rotary, fp32_kept + rotary
         copies = 2 if ckpt.kind == contract.KIND_SEQ2SEQ else 1  # two decoder graphs
-        rewrite = (embedding + (graph - embedding) // 4) * copies if role in quantized else 0
+        rewrite = fp32_kept + (graph - fp32_kept) // 4 if role in quantized else 0  # one graph at a time
         total += graph * copies + rewrite + (fp32 if with_xla else 0) + (1 << 20)
     return total
 
 
-def _check_free_space(folder: Path, roles: dict[str, Checkpoint], with_xla: bool, layouts: dict[str, str],
-                      quantized: frozenset[str]) -> None:
-    need = _estimate_bytes(roles, with_xla, layouts, quantized)
+def _check_free_space(folder: Path, need: int) -> None:
     free = shutil.disk_usage(folder).free
     if free < need:
         raise DiskFullError(
@@ -492,8 +497,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
-def _as_disk_full(exc: BaseException, folder: Path, roles: dict[str, Checkpoint]) -> DiskFullError | None:
-    """A DiskFullError if ``exc`` (or an exception it wraps) says the disk or a file-size limit ran out."""
+def _as_disk_full(exc: BaseException, folder: Path, need: int) -> DiskFullError | None:
+    """A DiskFullError if ``exc`` (or an exception it wraps) says the disk or a file-size limit ran out
+    (``need``: the estimate checked before the export)."""
     seen = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:
@@ -509,7 +515,7 @@ def _as_disk_full(exc: BaseException, folder: Path, roles: dict[str, Checkpoint]
                     else "the disk is full")
             return DiskFullError(
                 f"export failed: {what} while writing into {str(folder)!r} ({e}); the export needs about "
-                f"{_mib(_estimate_bytes(roles, False))} (free now: {free}). Nothing was written: free some space "
+                f"{_mib(need)} (free now: {free}). Nothing was written: free some space "
                 "(or raise the limit) or choose an --out on another disk, then run the export again")
         e = e.__cause__ or e.__context__
     return None

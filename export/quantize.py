@@ -284,8 +284,13 @@ def _save_rewrite(model, g, nodes: list, added: dict, graph: Path) -> None:
     del g.node[:]
     g.node.extend(nodes)
     if initializer_bytes(kept) + sum(a.nbytes for a in added.values()) > EXTERNAL_DATA_ABOVE:
-        with DataFile(graph.with_name(graph.name + ".int8.data")) as data:
-            tensors = [data.adopt(t, graph.parent) for t in kept] + [data.tensor(n, a) for n, a in added.items()]
+        data_path = _unused_path(graph.with_name(graph.name + ".int8.data"))  # not the file being adopted from
+        try:
+            with DataFile(data_path) as data:
+                tensors = [data.adopt(t, graph.parent) for t in kept] + [data.tensor(n, a) for n, a in added.items()]
+        except BaseException:
+            data_path.unlink(missing_ok=True)
+            raise
     else:
         for t in kept:
             if external_data_helper.uses_external_data(t):
@@ -298,6 +303,14 @@ def _save_rewrite(model, g, nodes: list, added: dict, graph: Path) -> None:
     tmp = graph.with_name(graph.stem + ".int8.onnx")
     onnx.save(model, str(tmp))
     _replace(tmp, graph)
+
+
+def _unused_path(path: Path) -> Path:
+    """``path``, or ``<stem>.1<suffix>``, ``.2``, ... if that file exists (a graph rewritten twice)."""
+    candidate, i = path, 1
+    while candidate.exists():
+        candidate, i = path.with_name(f"{path.stem}.{i}{path.suffix}"), i + 1
+    return candidate
 
 
 def _pack_int8(added: dict, name: str, w, block: int) -> tuple[str, str, int, int]:
