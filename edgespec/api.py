@@ -30,8 +30,8 @@ import numpy as np
 from . import contract
 from .adaptive import AdaptiveGamma
 from .bundle import BundleManifest, load_bundle
-from .config import GenerationConfig, SamplingConfig, as_int
-from .drafters import LookaheadDrafter, NgramDrafter
+from .config import DRAFTERS, GenerationConfig, SamplingConfig, as_int
+from .drafters import HybridDrafter, LookaheadDrafter, NgramDrafter
 from .report import usable_cores
 from .errors import (BundleError, EdgeSpecWarning, EngineBusyError, InvalidArgumentError, PromptTooLongError,
                      TokenizerMismatchError)
@@ -263,6 +263,7 @@ class Engine:
         # machine, so later calls start from it instead of from scratch.
         self._policies: dict[tuple, AdaptiveGamma] = {}
         self._lookahead: LookaheadDrafter | None = None
+        self._hybrid: HybridDrafter | None = None
         self._target_threads = target_threads   # ONNX Runtime intra-op threads of the target (0: ORT's default)
 
     @property
@@ -366,7 +367,9 @@ class Engine:
         keeps drafting on a second thread while the target verifies, so rounds that keep every draft
         start with their drafts made (worth it where the target runs on fewer cores than the machine
         has); ``drafter="ngram"`` drafts by prompt lookup (continuations of earlier text; no second
-        model). All three are exact.
+        model); ``drafter="hybrid"`` drafts with the model and puts a prompt-lookup token in its place
+        wherever the run so far says that one is kept more often (repetitive text, such as code at
+        greedy). All four are exact.
 
         ``temperature=0`` is greedy. ``gamma=None`` (the default) lets edgespec choose the draft
         length per round from the draft's confidence, the acceptance rate so far and the measured
@@ -390,11 +393,11 @@ class Engine:
         for name, flag in (("use_draft", use_draft), ("stream", stream)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise InvalidArgumentError(f"{name} must be True or False; got {flag!r:.40}")
-        if drafter not in ("model", "lookahead", "ngram"):
-            raise InvalidArgumentError(f"drafter must be 'model', 'lookahead' or 'ngram' (prompt lookup); got {drafter!r}")
-        if drafter == "lookahead" and use_draft and self.draft is None:
+        if drafter not in DRAFTERS:
+            raise InvalidArgumentError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}; got {drafter!r}")
+        if drafter in ("lookahead", "hybrid") and use_draft and self.draft is None:
             raise InvalidArgumentError(
-                "drafter='lookahead' drafts with the bundle's draft model, and this engine has none ("
+                f"drafter={drafter!r} drafts with the bundle's draft model, and this engine has none ("
                 + ("a single-model bundle: export one with --draft" if self.manifest.draft is None else "loaded with load_draft=False")
                 + "); use drafter='ngram' (prompt lookup, no model; CLI --draft ngram) or use_draft=False (CLI --no-draft)")
         ngram = bool(use_draft) and drafter == "ngram"
@@ -427,6 +430,12 @@ class Engine:
                 self._lookahead = LookaheadDrafter(self.draft)
                 warn_if_no_spare_core(self._target_threads)
             draft = self._lookahead
+        elif draft is not None and drafter == "hybrid":
+            if seed is not None and not config.sampling.greedy:
+                draft = HybridDrafter(self.draft)  # learns afresh, so that the seed fixes the text
+            else:
+                self._hybrid = self._hybrid or HybridDrafter(self.draft)  # keeps what it learned for later calls
+                draft = self._hybrid
         policy = None
         if gamma is None and draft is not None and seed is not None and not config.sampling.greedy:
             # Measured times vary from run to run, and with them the draft lengths and so which

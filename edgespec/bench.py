@@ -100,7 +100,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--lenience", default="1", help="comma list of l in (0, 1] (Appendix A.5; 1 = exact)")
     p.add_argument("--draft", default="model", help="comma list of drafters: model, ngram, lookahead (the draft model drafting on while "
-                   "the target verifies, on a second thread) (default model)")
+                   "the target verifies, on a second thread), hybrid (the draft model with prompt-lookup tokens where "
+                   "those are kept more often) (default model)")
     p.add_argument("--prompts", type=Path, default=None,
                    help="text file, prompts separated by lines holding only '---' (default: built-in held-out code prompts)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=DEFAULT_MAX_NEW_TOKENS)
@@ -141,6 +142,7 @@ def read_prompts(path: Path | None) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from .api import default_target_threads, gamma_bound, warn_if_no_spare_core
+    from .config import DRAFTERS
     from .generate_cli import refuse_ort_flags
     from .outputs import check_writable
 
@@ -148,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
                       args.top_k, args.top_p, _parse_list(args.lenience, float, "lenience"),
                       _parse_list(args.draft, str, "draft"))
     for s in grid:
-        if s.draft not in ("model", "ngram", "lookahead"):
-            raise InvalidArgumentError(f"--draft takes model, ngram and/or lookahead; got {s.draft!r}")
+        if s.draft not in DRAFTERS:
+            raise InvalidArgumentError(f"--draft takes {', '.join(DRAFTERS)} (a comma list); got {s.draft!r}")
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
     refuse_ort_flags(args.runtime, {"--provider": args.provider != "cpu", "--threads": args.threads is not None,

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from .errors import InvalidArgumentError
 
+DRAFTERS = ("model", "lookahead", "ngram", "hybrid")  # Engine.generate(drafter=...), the CLI's --draft
+
 
 def as_int(v):
     """A numpy integer (np.int64(3)) as a Python int; anything else unchanged, for the checks to judge."""

@@ -69,15 +69,7 @@ class ModelDrafter:
             q.fill(0.0)
         while g < gamma:
             logits = b.extend(feed)[-1:, :dv]                                  # [1, dv]
-            if greedy:  # q one-hot on the argmax, written into the zeroed row
-                ids[g] = argmax_token(logits[0], "draft model")
-                q[g, ids[g]] = 1.0
-            else:
-                ids[g] = sample_row(logits[0], sampling, uniform(), q[g, :dv], "draft model")
-            # confidence (only for a length policy): the probability the draft gave its token; for
-            # greedy (q one-hot) the draft's softmax probability of its argmax, still a sureness signal.
-            if keep_going is not None:
-                conf[g] = q[g, ids[g]] if not greedy else 1.0 / np.exp(logits - logits[0, ids[g]]).sum()
+            conf[g] = self._pick(g, logits[0], ids, q[g], sampling, uniform, keep_going is not None)
             feed = ids[g:g + 1]
             g += 1
             if keep_going is not None and g < gamma and not keep_going(g, conf[g - 1]):
@@ -85,6 +77,21 @@ class ModelDrafter:
             if stop is not None and stop():
                 break
         return ids[:g], q[:g], conf[:g]
+
+    def _pick(self, g: int, logits: np.ndarray, ids: np.ndarray, q_row: np.ndarray, sampling: SamplingConfig,
+              uniform: Callable[[], float], want_conf: bool) -> float:
+        """Draft token g from the draft's logits [dv]: write it to ids[g] and the distribution it was
+        drawn from to q_row [V] (zeroed beforehand at greedy); return its confidence if ``want_conf``."""
+        if sampling.greedy:  # q one-hot on the argmax, written into the zeroed row
+            ids[g] = argmax_token(logits, "draft model")
+            q_row[ids[g]] = 1.0
+        else:
+            ids[g] = sample_row(logits, sampling, uniform(), q_row[:logits.shape[0]], "draft model")
+        if not want_conf:
+            return 0.0
+        # the probability the draft gave its token; for greedy (q one-hot) the draft's softmax
+        # probability of its argmax, still a sureness signal
+        return float(q_row[ids[g]]) if not sampling.greedy else float(1.0 / np.exp(logits - logits[ids[g]]).sum())
 
     def rollback(self, kept: int) -> None:
         """Keep only the first ``kept`` generated tokens (the draft may hold fewer already)."""
@@ -251,16 +258,9 @@ class NgramDrafter:
             from .errors import InvalidArgumentError
             raise InvalidArgumentError(f"need 1 <= min_ngram <= max_ngram; got {min_ngram}, {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self._prompt: list[int] = []
 
     def start(self, prompt: np.ndarray) -> None:
-        self._tokens = [int(t) for t in prompt]
-        self._n_prompt = len(self._tokens)
-        # ngram (tuple) -> index just after its latest occurrence; ngrams ending at positions
-        # < self._indexed are in the table. The last position is never indexed: its ngrams are the
-        # suffixes we look up, and an occurrence needs at least one following token.
-        self._table: dict[tuple[int, ...], int] = {}
-        self._indexed = 0
+        self._index = NgramIndex(prompt, self.max_ngram, self.min_ngram)
 
     def room(self, generated: int) -> int:
         return 1 << 30
@@ -268,20 +268,9 @@ class NgramDrafter:
     def propose(self, generated: list[int], gamma: int, sampling: SamplingConfig,
                 rng: np.random.Generator, vocab: int,
                 keep_going: KeepGoing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        toks = self._tokens
-        del toks[self._n_prompt:]
-        toks.extend(generated)
-        end = len(toks) - 1
-        for i in range(self._indexed, end):          # index ngrams ending at i (followed by i + 1)
-            for n in range(self.min_ngram, min(self.max_ngram, i + 1) + 1):
-                self._table[tuple(toks[i - n + 1:i + 1])] = i + 1
-        self._indexed = max(self._indexed, end)
-        found: list[int] = []
-        for n in range(min(self.max_ngram, len(toks)), self.min_ngram - 1, -1):
-            nxt = self._table.get(tuple(toks[len(toks) - n:]))
-            if nxt is not None:
-                found = toks[nxt:nxt + gamma]
-                break
+        toks = self._index.sync(generated)
+        nxt = self._index.follower(toks)[0]
+        found = toks[nxt:nxt + gamma] if nxt is not None else []
         # up to the first id outside the sample space (dropping it would shift the later ones)
         found = found[:next((j for j, t in enumerate(found) if t >= vocab), len(found))]
         ids = np.asarray(found, dtype=np.int64)                                # [g]
@@ -291,6 +280,131 @@ class NgramDrafter:
 
     def rollback(self, kept: int) -> None:
         pass
+
+
+_BINS = 10          # the draft's confidence, in tenths
+_FORGET = 0.995     # per-round decay of the keep statistics (as the adaptive policy's): follows the text
+
+
+class HybridDrafter(ModelDrafter):
+    """The draft model, with a prompt-lookup token wherever that is more likely to be kept.
+
+    At each draft position the model computes q as usual; the n-gram index proposes the token that
+    followed the latest earlier occurrence of the last 2-4 tokens (committed output and the drafts
+    so far). The lookup token takes the position when, in what this run has seen, lookup tokens
+    were kept more often than the model's in the same situation: per (match length, bin of the
+    model's confidence), where at greedy only positions at which the two differ count. Both keep
+    rates are learned after every round from the positions the target examined, whichever token was
+    drafted (the target's p scores both), with exponential forgetting.
+
+    Exactness: the choice depends only on the context, the draft's q (its confidence is the largest
+    probability of q, not the probability of the token it drew) and earlier rounds, never on this
+    round's target call or this position's draw; a replaced position reports q one-hot on the lookup
+    token (the distribution it was drawn from), as prompt lookup does. Appendix A.1 holds position
+    by position.
+    """
+
+    def __init__(self, backend: Backend, max_ngram: int = 4, min_ngram: int = 2):
+        super().__init__(backend)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        # per sampling setting (keep rates depend on it): [2, max_ngram + 1, bins] expected keeps,
+        # row 0 of lookup tokens, row 1 of the model's, and [max_ngram + 1, bins] positions seen
+        self._stats: dict[SamplingConfig, tuple[np.ndarray, np.ndarray]] = {}
+        self.replaced = 0                                                      # lookup tokens drafted
+
+    def start(self, prompt: np.ndarray) -> None:
+        super().start(prompt)
+        self._index = NgramIndex(prompt, self.max_ngram, self.min_ngram)
+
+    def propose(self, generated: list[int], gamma: int, sampling: SamplingConfig,
+                rng: np.random.Generator, vocab: int,
+                keep_going: KeepGoing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        self._tail = self._index.sync(generated)[-self.max_ngram:]          # the last tokens, then the drafts
+        if sampling not in self._stats:
+            # priors: a lookup token kept 1 time in 4, the model's 1 in 2 (2 positions' worth), so
+            # that lookup takes over only where the run has shown it does better
+            shape = (self.max_ngram + 1, _BINS)
+            self._stats[sampling] = (np.stack([np.full(shape, 0.5), np.full(shape, 1.0)]), np.full(shape, 2.0))
+        self._rates = self._stats[sampling]
+        self._round: list[tuple] = []   # per draft: (model's token at greedy / q [V] otherwise, bin, lookup, length)
+        return super().propose(generated, gamma, sampling, rng, vocab, keep_going)
+
+    def _pick(self, g: int, logits: np.ndarray, ids: np.ndarray, q_row: np.ndarray, sampling: SamplingConfig,
+              uniform: Callable[[], float], want_conf: bool) -> float:
+        conf = super()._pick(g, logits, ids, q_row, sampling, uniform, True)   # the model's draft and q
+        greedy = sampling.greedy
+        sure = conf if greedy else float(q_row.max())   # not q(drawn token): the choice must not depend on the draw
+        b = min(int(sure * _BINS), _BINS - 1)
+        nxt, n = self._index.follower(self._tail)
+        look = self._index.tokens[nxt] if nxt is not None else None
+        model = int(ids[g]) if greedy else None
+        keeps, seen = self._rates
+        use = (look is not None and look < logits.shape[0]            # the draft has a row for it (it is fed next)
+               and look != model and keeps[0, n, b] > keeps[1, n, b])   # same denominator: compare the sums
+        # learn() scores the model against p: at greedy by its token, otherwise by its q (copied
+        # when the row is overwritten below)
+        self._round.append((model if greedy else q_row.copy() if use else q_row, b, look, n))
+        if use:  # q one-hot on the lookup token: what this position's draft was drawn from
+            q_row.fill(0.0)
+            q_row[look] = 1.0
+            ids[g] = look
+            self.replaced += 1
+            conf = float(keeps[0, n, b] / seen[n, b])   # its expected keep rate: the length policy's signal
+        self._tail = self._tail[1:] + [int(ids[g])]
+        return conf
+
+    def learn(self, examined: int, target_rows: np.ndarray, greedy: bool) -> None:
+        """After the verify call: ``target_rows`` are the target's argmaxes [g + 1] at greedy, else
+        its processed p [g + 1, V]; the first ``examined`` drafts had the target's own prefix."""
+        keeps, seen = self._rates
+        keeps *= _FORGET
+        seen *= _FORGET
+        for j, (model, b, look, n) in enumerate(self._round[:examined]):
+            if look is None or (greedy and look == model):   # at greedy, equal tokens teach nothing
+                continue
+            if greedy:
+                keeps[0, n, b] += float(look == target_rows[j])
+                keeps[1, n, b] += float(model == target_rows[j])
+            else:
+                keeps[0, n, b] += float(target_rows[j][look])                    # q one-hot: kept w.p. p(look)
+                keeps[1, n, b] += float(np.minimum(model, target_rows[j]).sum())  # sum_x min(p, q)
+            seen[n, b] += 1.0
+
+
+class NgramIndex:
+    """The prompt and the committed output, with the latest occurrence of each of their n-grams
+    (min_ngram..max_ngram tokens) that some token follows; indexed incrementally as output grows."""
+
+    def __init__(self, prompt: np.ndarray, max_ngram: int, min_ngram: int):
+        self.tokens = [int(t) for t in prompt]
+        self._n_prompt = len(self.tokens)
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        # ngram (tuple) -> index just after its latest occurrence; ngrams ending at positions
+        # < self._indexed are in the table. The last position is never indexed: its ngrams are the
+        # suffixes we look up, and an occurrence needs at least one following token.
+        self._table: dict[tuple[int, ...], int] = {}
+        self._indexed = 0
+
+    def sync(self, generated: list[int]) -> list[int]:
+        """Make the tokens prompt + ``generated`` (a rollback may have shortened them); return them."""
+        toks = self.tokens
+        del toks[self._n_prompt:]
+        toks.extend(generated)
+        end = len(toks) - 1
+        for i in range(self._indexed, end):          # index ngrams ending at i (followed by i + 1)
+            for n in range(self.min_ngram, min(self.max_ngram, i + 1) + 1):
+                self._table[tuple(toks[i - n + 1:i + 1])] = i + 1
+        self._indexed = max(self._indexed, end)
+        return toks
+
+    def follower(self, tail: list[int]) -> tuple[int | None, int]:
+        """(index in ``tokens`` of the token after the latest occurrence of the longest suffix of
+        ``tail`` that occurs, its length), or (None, 0)."""
+        for n in range(min(self.max_ngram, len(tail)), self.min_ngram - 1, -1):
+            nxt = self._table.get(tuple(tail[len(tail) - n:]))
+            if nxt is not None:
+                return nxt, n
+        return None, 0
 
 
 def lookup(tokens: list[int], gamma: int, max_ngram: int, min_ngram: int) -> list[int]:

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 
+from .config import DRAFTERS
 from .errors import InvalidArgumentError
 
 # --show-drafts marks: ANSI colors on a terminal, brackets otherwise.
@@ -27,10 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for sampling: the same seed gives the same text (default: a fresh one)")
     parser.add_argument("--no-draft", action="store_true", help="plain decoding with the target only")
-    parser.add_argument("--draft", choices=("model", "lookahead", "ngram"), default="model",
+    parser.add_argument("--draft", choices=DRAFTERS, default="model",
                         help="model: the bundle's draft model (default); lookahead: the draft model, drafting "
                              "on a second thread while the target verifies (for a target on fewer threads than "
-                             "cores); ngram: prompt lookup, no second model")
+                             "cores); ngram: prompt lookup, no second model; hybrid: the draft model, with a "
+                             "prompt-lookup token wherever the run so far says it is kept more often")
     parser.add_argument("--provider", default="cpu", help="comma-separated execution providers for the target, in order (default cpu)")
     parser.add_argument("--draft-provider", default=None, help="providers for the draft (default: --provider)")
     parser.add_argument("--threads", type=int, default=None,

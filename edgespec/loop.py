@@ -163,6 +163,9 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
         verdict = speculative_sample(x, q, p, rng, config.lenience, getattr(drafter, "next_draft", None))
     n = verdict.n_accepted
     examined = min(n + 1, g)  # positions whose prefix the target agreed with
+    learn = getattr(drafter, "learn", None)  # a drafter that learns from the target's verdicts (HybridDrafter)
+    if learn is not None:
+        learn(examined, a if sampling.greedy else p, sampling.greedy)
     # beta = sum_x min(p, q) per examined position; with p one-hot on a that is q(a).
     beta = q[np.arange(examined), a[:examined]] if sampling.greedy else overlap(p[:examined], q[:examined])
     beta_total = float(beta.sum())

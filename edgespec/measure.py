@@ -216,7 +216,7 @@ def run_settings(target: ReadCounter, draft: ReadCounter | None, prompts: Sequen
 
 def _run_group(target, draft, prompts, results: list[SettingResult], max_new_tokens, repeats, warmup,
                eos_token_ids, seed, progress, vocab_size, max_gamma) -> None:
-    from .drafters import LookaheadDrafter, NgramDrafter
+    from .drafters import HybridDrafter, LookaheadDrafter, NgramDrafter
 
     cfgs = [GenerationConfig(max_new_tokens=max_new_tokens, sampling=r.setting.sampling, gamma=r.setting.gamma,
                              lenience=r.setting.lenience, eos_token_ids=eos_token_ids,
@@ -224,8 +224,9 @@ def _run_group(target, draft, prompts, results: list[SettingResult], max_new_tok
     # One adaptive policy per setting for the whole run, as an Engine keeps one across calls: the
     # warm-up repeat is also its first lesson.
     policies = [AdaptiveGamma(c.max_gamma) if r.setting.gamma is None else None for r, c in zip(results, cfgs)]
-    drafters = [NgramDrafter() if r.setting.draft == "ngram" else LookaheadDrafter(draft) if r.setting.draft == "lookahead"
-                else draft for r in results]
+    make = {"ngram": lambda: NgramDrafter(), "lookahead": lambda: LookaheadDrafter(draft),
+            "hybrid": lambda: HybridDrafter(draft), "model": lambda: draft}
+    drafters = [make[r.setting.draft]() for r in results]
     modes = [-1, *range(len(results))]  # -1: plain decoding
     plain_step = [0.0, 0]
     plain_reads = [0, 0]                             # target bytes, tokens

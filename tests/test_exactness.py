@@ -7,7 +7,7 @@ import pytest
 
 from edgespec import loop as loop_mod
 from edgespec.config import GenerationConfig, SamplingConfig
-from edgespec.drafters import LookaheadDrafter, ModelDrafter, NgramDrafter
+from edgespec.drafters import HybridDrafter, LookaheadDrafter, ModelDrafter, NgramDrafter
 from edgespec.loop import generate
 from edgespec.rejection import BONUS, RECOVERED, Verdict
 from edgespec.sampling import process_logits, sample_index
@@ -179,6 +179,80 @@ class _BonusIsNextDraft(LookaheadDrafter):
 def test_lookahead_mutants_are_caught(mutant):
     sampling = SamplingConfig(1.0)
     target, outs, _, _ = sample_outputs(2, sampling, N_MUTANT, _shared(mutant), seed=14, length=7)
+    with pytest.raises(AssertionError, match="differs from the target"):
+        assert_matches_target(target, outs, sampling, mutant.__name__)
+
+
+def _hybrid(cls=None, lookup_first: bool = False):
+    """One HybridDrafter (or subclass) for every sample, as an Engine keeps one; ``lookup_first``
+    starts its statistics so that a lookup token takes every position where one differs."""
+    made = []
+
+    def factory(db):
+        if not made:
+            made.append((cls or HybridDrafter)(db))
+            if lookup_first:
+                made[0]._stats = _LookupFirst()
+        return made[0]
+    return factory
+
+
+class _LookupFirst(dict):
+    def __missing__(self, sampling):
+        shape = (5, 10)
+        self[sampling] = (np.stack([np.full(shape, 1e9), np.zeros(shape)]), np.full(shape, 1e9))
+        return self[sampling]
+
+
+@pytest.mark.parametrize("sampling,adaptive,lookup_first", [
+    (SamplingConfig(1.0), False, False), (SamplingConfig(1.0), False, True),
+    (SamplingConfig(0.6, top_k=3), True, True)], ids=["T1-learned", "T1-lookup-first", "T0.6-topk3-adaptive-lookup-first"])
+def test_hybrid_drafter_is_exact(sampling, adaptive, lookup_first):
+    """The draft model with prompt-lookup tokens in its place: as learned over the samples, and
+    with lookup taking every position it can (so replaced positions are in the sample)."""
+    factory = _hybrid(lookup_first=lookup_first)
+    target, outs, _, kinds = sample_outputs(3, sampling, N_SAMPLES, factory, seed=15, adaptive=adaptive, length=7)
+    assert factory(None).replaced > (N_SAMPLES if lookup_first else N_SAMPLES // 20), factory(None).replaced
+    assert {"accepted", "recovered", "bonus"} <= kinds
+    assert_matches_target(target, outs, sampling, "hybrid drafter")
+
+
+class _DrawDecides(HybridDrafter):
+    """Mutant: the lookup token replaces the model's only where the model drew a token it gave
+    less than 0.5 (the choice depends on the draw, so the position's proposal is not the one-hot
+    q it reports, nor the model's q)."""
+
+    def _pick(self, g, logits, ids, q_row, sampling, uniform, want_conf):
+        conf = ModelDrafter._pick(self, g, logits, ids, q_row, sampling, uniform, True)
+        nxt, n = self._index.follower(self._tail)
+        self._round.append((q_row, 0, None, 0))
+        if nxt is not None and q_row[ids[g]] < 0.5:
+            ids[g] = self._index.tokens[nxt]
+            q_row.fill(0.0)
+            q_row[ids[g]] = 1.0
+            self.replaced += 1
+        self._tail = self._tail[1:] + [int(ids[g])]
+        return conf
+
+
+class _ModelQKept(HybridDrafter):
+    """Mutant: a replaced position reports the model's q instead of one-hot on the lookup token."""
+
+    def _pick(self, g, logits, ids, q_row, sampling, uniform, want_conf):
+        conf = ModelDrafter._pick(self, g, logits, ids, q_row, sampling, uniform, True)
+        nxt, n = self._index.follower(self._tail)
+        self._round.append((q_row, 0, None, 0))
+        if nxt is not None:
+            ids[g] = self._index.tokens[nxt]
+            self.replaced += 1
+        self._tail = self._tail[1:] + [int(ids[g])]
+        return conf
+
+
+@pytest.mark.parametrize("mutant", [_DrawDecides, _ModelQKept], ids=["draw-decides", "model-q-kept"])
+def test_hybrid_mutants_are_caught(mutant):
+    sampling = SamplingConfig(1.0)
+    target, outs, _, _ = sample_outputs(3, sampling, N_MUTANT, _hybrid(mutant), seed=16, length=7)
     with pytest.raises(AssertionError, match="differs from the target"):
         assert_matches_target(target, outs, sampling, mutant.__name__)
 
