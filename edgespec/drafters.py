@@ -87,15 +87,17 @@ class ModelDrafter:
             q_row[ids[g]] = 1.0
         else:
             ids[g] = sample_row(logits, sampling, uniform(), q_row[:logits.shape[0]], "draft model")
-        if not want_conf:
-            return 0.0
-        # the probability the draft gave its token; for greedy (q one-hot) the draft's softmax
-        # probability of its argmax, still a sureness signal
-        return float(q_row[ids[g]]) if not sampling.greedy else float(1.0 / np.exp(logits - logits[ids[g]]).sum())
+        return _confidence(logits, q_row, int(ids[g]), sampling.greedy) if want_conf else 0.0
 
     def rollback(self, kept: int) -> None:
         """Keep only the first ``kept`` generated tokens (the draft may hold fewer already)."""
         self.backend.rewind_to(min(self.backend.length, self._base + kept))
+
+
+def _confidence(logits: np.ndarray, q_row: np.ndarray, token: int, greedy: bool) -> float:
+    """The probability the draft gave its token; for greedy (q one-hot) the draft's softmax
+    probability of its argmax, still a sureness signal."""
+    return float(q_row[token]) if not greedy else float(1.0 / np.exp(logits - logits[token]).sum())
 
 
 class LookaheadDrafter(ModelDrafter):
@@ -331,16 +333,21 @@ class HybridDrafter(ModelDrafter):
 
     def _pick(self, g: int, logits: np.ndarray, ids: np.ndarray, q_row: np.ndarray, sampling: SamplingConfig,
               uniform: Callable[[], float], want_conf: bool) -> float:
-        conf = super()._pick(g, logits, ids, q_row, sampling, uniform, True)   # the model's draft and q
+        conf = super()._pick(g, logits, ids, q_row, sampling, uniform, want_conf)   # the model's draft and q
         greedy = sampling.greedy
-        sure = conf if greedy else float(q_row.max())   # not q(drawn token): the choice must not depend on the draw
-        b = min(int(sure * _BINS), _BINS - 1)
+        model = int(ids[g]) if greedy else None
         nxt, n = self._index.follower(self._tail)
         look = self._index.tokens[nxt] if nxt is not None else None
-        model = int(ids[g]) if greedy else None
+        if look is None or look >= logits.shape[0] or look == model:   # (the draft is fed the token next: it needs a row)
+            self._round.append((model, 0, None, 0))                    # nothing to choose, nothing to learn
+            self._tail = self._tail[1:] + [int(ids[g])]
+            return conf
+        # the model's sureness: the probability of its argmax; with sampling the largest of q, not
+        # q(drawn token), so that the choice does not depend on the draw
+        sure = (conf if want_conf else _confidence(logits, q_row, model, True)) if greedy else float(q_row.max())
+        b = min(int(sure * _BINS), _BINS - 1)
         keeps, seen = self._rates
-        use = (look is not None and look < logits.shape[0]            # the draft has a row for it (it is fed next)
-               and look != model and keeps[0, n, b] > keeps[1, n, b])   # same denominator: compare the sums
+        use = keeps[0, n, b] > keeps[1, n, b]   # same denominator (positions seen): compare the sums
         # learn() scores the model against p: at greedy by its token, otherwise by its q (copied
         # when the row is overwritten below)
         self._round.append((model if greedy else q_row.copy() if use else q_row, b, look, n))
@@ -360,7 +367,7 @@ class HybridDrafter(ModelDrafter):
         keeps *= _FORGET
         seen *= _FORGET
         for j, (model, b, look, n) in enumerate(self._round[:examined]):
-            if look is None or (greedy and look == model):   # at greedy, equal tokens teach nothing
+            if look is None:
                 continue
             if greedy:
                 keeps[0, n, b] += float(look == target_rows[j])
