@@ -75,6 +75,12 @@ edgespec bench "$large4_q" --gammas 5,6,auto --temperatures 0,1 --draft model,lo
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-decode"
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-decode-again"
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --draft model,lookahead --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-lookahead"
+#    the hybrid drafter (model + prompt lookup) beside the model drafter, twice; where lookup beats the model
+for run in "" -b; do
+  edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --draft model,hybrid --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-hybrid$run"
+done
+python benchmarks/lookup_agreement.py "$large4" --out "$out/lookup-agreement"
+python benchmarks/lookup_agreement.py "$large4" --max-new-tokens 96 --out "$out/lookup-agreement-96"
 # 2. the same grid with the pair's own draft and the small distilled draft
 edgespec bench "$pair_bundle" --gammas 1,2,3,4,6,8,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench"
 edgespec bench "$small" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench-distilled"

@@ -632,3 +632,35 @@ def test_machine_description_counts_the_cores_this_process_may_use(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     info = report.machine_description()
     assert info["cpu_count"] == 1 and info["host_cpu_count"] == 64
+
+
+def test_lookup_agreement_script(tiny_bundle, tmp_path, monkeypatch):
+    """benchmarks/lookup_agreement.py on a tiny bundle whose prompts repeat themselves: it counts
+    every generated position, finds lookups, and its three agreements are consistent (the best
+    choice per cell is at least the model's; the replay of the online rule a valid fraction)."""
+    import edgespec.prompts
+
+    mod = _script("lookup_agreement")
+    monkeypatch.setattr(edgespec.prompts, "CODE_PROMPTS", ("the cat the cat the cat", "a b c a b c a b"))
+    assert mod.main([str(tiny_bundle("llama")), "--max-new-tokens", "16", "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "lookup_agreement.json").read_text())
+    assert res["positions"] == 32 and res["lookup_found"] > 0.5
+    assert 0 <= res["model_agreement"] <= res["best_per_cell_agreement"] <= 1
+    assert 0 <= res["online_rule_agreement"] <= 1
+    assert sum(c["positions"] for c in res["cells"]) == round(res["differ"] * res["positions"])
+    with pytest.raises(InvalidArgumentError, match="no draft model"):
+        _no_draft(mod, tiny_bundle, tmp_path)
+
+
+def _no_draft(mod, tiny_bundle, tmp_path):
+    import shutil
+
+    from edgespec import contract
+
+    b = tmp_path / "single"
+    shutil.copytree(tiny_bundle("llama"), b)
+    data = json.loads((b / contract.MANIFEST_NAME).read_text())
+    del data["models"]["draft"]
+    (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
+    shutil.rmtree(b / "draft")
+    mod.main([str(b), "--max-new-tokens", "4"])
