@@ -22,12 +22,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-BINS = 10
-
-
 def trace(engine, prompt: str, max_new_tokens: int, max_ngram: int, min_ngram: int) -> list[tuple]:
     """Per generated position: (model argmax, its probability, lookup token or None, match length, target token)."""
-    from edgespec.drafters import NgramIndex
+    from edgespec.drafters import NgramIndex, _confidence
 
     ids = engine.encode(prompt)
     out = engine.generate(prompt, max_new_tokens=max_new_tokens, temperature=0, use_draft=False).ids
@@ -40,7 +37,7 @@ def trace(engine, prompt: str, max_new_tokens: int, max_ngram: int, min_ngram: i
         top = int(lg.argmax())
         toks = index.sync(seq[len(ids):j])
         nxt, n = index.follower(toks[-max_ngram:])
-        rows.append((top, float(1.0 / np.exp(lg - lg[top]).sum()), toks[nxt] if nxt is not None else None, n, seq[j]))
+        rows.append((top, _confidence(lg, None, top, True), toks[nxt] if nxt is not None else None, n, seq[j]))
         logits = engine.draft.extend(np.array([seq[j]]))[-1]
     return rows
 
@@ -48,14 +45,14 @@ def trace(engine, prompt: str, max_new_tokens: int, max_ngram: int, min_ngram: i
 def replay_online(rows: list[tuple], max_ngram: int, per_round: int = 5) -> float:
     """Greedy agreement of HybridDrafter's rule learned online over ``rows`` in order (its priors
     and forgetting; the statistics decay once per ``per_round`` positions, about a round)."""
-    from edgespec.drafters import _FORGET
+    from edgespec.drafters import _BINS, _FORGET, prefers_lookup, sureness_bin
 
-    keeps = np.stack([np.full((max_ngram + 1, BINS), 0.5), np.full((max_ngram + 1, BINS), 1.0)])
+    keeps = np.zeros((2, max_ngram + 1, _BINS))
     ok = 0
     for i, (model, conf, look, n, target) in enumerate(rows):
-        b = min(int(conf * BINS), BINS - 1)
+        b = sureness_bin(conf)
         differs = look is not None and look != model
-        ok += (look if differs and keeps[0, n, b] > keeps[1, n, b] else model) == target
+        ok += (look if differs and prefers_lookup(keeps, n, b) else model) == target
         if i % per_round == 0:
             keeps *= _FORGET
         if differs:
@@ -67,6 +64,7 @@ def replay_online(rows: list[tuple], max_ngram: int, per_round: int = 5) -> floa
 def main(argv=None) -> int:
     import edgespec
     from edgespec.cli import at_least
+    from edgespec.drafters import _BINS, sureness_bin
     from edgespec.errors import InvalidArgumentError
     from edgespec.prompts import CODE_PROMPTS
     from edgespec.report import machine_description, write_json
@@ -84,8 +82,8 @@ def main(argv=None) -> int:
     model_ok = np.array([r[0] == r[4] for r in rows])
     cells, best_gain = [], 0
     for n in range(min_ngram, max_ngram + 1):
-        for b in range(BINS):
-            sel = [r for r in rows if r[2] is not None and r[2] != r[0] and r[3] == n and min(int(r[1] * BINS), BINS - 1) == b]
+        for b in range(_BINS):
+            sel = [r for r in rows if r[2] is not None and r[2] != r[0] and r[3] == n and sureness_bin(r[1]) == b]
             if not sel:
                 continue
             look, model = sum(r[2] == r[4] for r in sel), sum(r[0] == r[4] for r in sel)
@@ -97,11 +95,11 @@ def main(argv=None) -> int:
               "differ": float(np.mean([r[2] is not None and r[2] != r[0] for r in rows])),
               "best_per_cell_agreement": float((model_ok.sum() + best_gain) / len(rows)),
               "online_rule_agreement": replay_online(rows, max_ngram), "cells": cells}
-    print(f"{len(rows)} positions (8 prompts x {args.max_new_tokens} greedy tokens of the target); a lookup found at "
+    print(f"{len(rows)} positions ({len(CODE_PROMPTS)} prompts x {args.max_new_tokens} greedy tokens of the target); a lookup found at "
           f"{result['lookup_found']:.3f}, differing from the model's argmax at {result['differ']:.3f}")
     print("| match length | model's confidence | positions | lookup right | model right |\n|---|---|---|---|---|")
     for c in cells:
-        print(f"| {c['match_length']} | [{c['confidence_bin'] / BINS:.1f}, {(c['confidence_bin'] + 1) / BINS:.1f}) | "
+        print(f"| {c['match_length']} | [{c['confidence_bin'] / _BINS:.1f}, {(c['confidence_bin'] + 1) / _BINS:.1f}) | "
               f"{c['positions']} | {c['lookup_right']:.2f} | {c['model_right']:.2f} |")
     print(f"greedy agreement with the target: model {result['model_agreement']:.4f}; best choice per cell (in-sample "
           f"bound) {result['best_per_cell_agreement']:.4f}; HybridDrafter's rule online {result['online_rule_agreement']:.4f}")

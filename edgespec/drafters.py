@@ -256,9 +256,7 @@ class NgramDrafter:
     vocab_size = None
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            from .errors import InvalidArgumentError
-            raise InvalidArgumentError(f"need 1 <= min_ngram <= max_ngram; got {min_ngram}, {max_ngram}")
+        NgramIndex.check(max_ngram, min_ngram)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def start(self, prompt: np.ndarray) -> None:
@@ -284,8 +282,23 @@ class NgramDrafter:
         pass
 
 
-_BINS = 10          # the draft's confidence, in tenths
+_BINS = 10          # bins of the draft model's sureness, in tenths
 _FORGET = 0.995     # per-round decay of the keep statistics (as the adaptive policy's): follows the text
+# Priors, added to the decayed sums (so they never fade): a lookup token kept 1 time in 4, the
+# model's 1 in 2, over 2 positions, so that lookup takes over only where the run has shown it wins.
+_PRIOR_LOOKUP, _PRIOR_MODEL, _PRIOR_SEEN = 0.5, 1.0, 2.0
+_MAX_SETTINGS = 32  # sampling settings a HybridDrafter keeps statistics for (as an Engine's policies)
+
+
+def sureness_bin(sure: float) -> int:
+    """The bin of the draft model's sureness (the probability of its argmax, or the largest of q)."""
+    return min(int(sure * _BINS), _BINS - 1)
+
+
+def prefers_lookup(keeps: np.ndarray, n: int, b: int) -> bool:
+    """Whether lookup tokens of match length ``n`` have been kept more often than the model's tokens
+    in sureness bin ``b`` (keeps [2, lengths, bins]: lookup's, the model's; both over the same positions)."""
+    return keeps[0, n, b] + _PRIOR_LOOKUP > keeps[1, n, b] + _PRIOR_MODEL
 
 
 class HybridDrafter(ModelDrafter):
@@ -295,11 +308,11 @@ class HybridDrafter(ModelDrafter):
     followed the latest earlier occurrence of the last 2-4 tokens (committed output and the drafts
     so far). The lookup token takes the position when, in what this run has seen, lookup tokens
     were kept more often than the model's in the same situation: per (match length, bin of the
-    model's confidence), where at greedy only positions at which the two differ count. Both keep
+    model's sureness), where at greedy only positions at which the two differ count. Both keep
     rates are learned after every round from the positions the target examined, whichever token was
     drafted (the target's p scores both), with exponential forgetting.
 
-    Exactness: the choice depends only on the context, the draft's q (its confidence is the largest
+    Exactness: the choice depends only on the context, the draft's q (its sureness is the largest
     probability of q, not the probability of the token it drew) and earlier rounds, never on this
     round's target call or this position's draw; a replaced position reports q one-hot on the lookup
     token (the distribution it was drawn from), as prompt lookup does. Appendix A.1 holds position
@@ -309,24 +322,26 @@ class HybridDrafter(ModelDrafter):
     def __init__(self, backend: Backend, max_ngram: int = 4, min_ngram: int = 2):
         super().__init__(backend)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        # per sampling setting (keep rates depend on it): [2, max_ngram + 1, bins] expected keeps,
-        # row 0 of lookup tokens, row 1 of the model's, and [max_ngram + 1, bins] positions seen
+        NgramIndex.check(max_ngram, min_ngram)
+        # per sampling setting (keep rates depend on it): [2, max_ngram + 1, bins] decayed sums of
+        # keeps, row 0 of lookup tokens, row 1 of the model's, and [max_ngram + 1, bins] positions seen
         self._stats: dict[SamplingConfig, tuple[np.ndarray, np.ndarray]] = {}
         self.replaced = 0                                                      # lookup tokens drafted
 
     def start(self, prompt: np.ndarray) -> None:
         super().start(prompt)
         self._index = NgramIndex(prompt, self.max_ngram, self.min_ngram)
+        self._index.sync([])  # the prompt indexed now, not inside the first round's drafting time
 
     def propose(self, generated: list[int], gamma: int, sampling: SamplingConfig,
                 rng: np.random.Generator, vocab: int,
                 keep_going: KeepGoing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         self._tail = self._index.sync(generated)[-self.max_ngram:]          # the last tokens, then the drafts
         if sampling not in self._stats:
-            # priors: a lookup token kept 1 time in 4, the model's 1 in 2 (2 positions' worth), so
-            # that lookup takes over only where the run has shown it does better
+            if len(self._stats) >= _MAX_SETTINGS:
+                self._stats.pop(next(iter(self._stats)))  # the oldest setting
             shape = (self.max_ngram + 1, _BINS)
-            self._stats[sampling] = (np.stack([np.full(shape, 0.5), np.full(shape, 1.0)]), np.full(shape, 2.0))
+            self._stats[sampling] = (np.zeros((2, *shape)), np.zeros(shape))
         self._rates = self._stats[sampling]
         self._round: list[tuple] = []   # per draft: (model's token at greedy / q [V] otherwise, bin, lookup, length)
         return super().propose(generated, gamma, sampling, rng, vocab, keep_going)
@@ -334,31 +349,35 @@ class HybridDrafter(ModelDrafter):
     def _pick(self, g: int, logits: np.ndarray, ids: np.ndarray, q_row: np.ndarray, sampling: SamplingConfig,
               uniform: Callable[[], float], want_conf: bool) -> float:
         conf = super()._pick(g, logits, ids, q_row, sampling, uniform, want_conf)   # the model's draft and q
-        greedy = sampling.greedy
-        model = int(ids[g]) if greedy else None
+        model = int(ids[g]) if sampling.greedy else None
         nxt, n = self._index.follower(self._tail)
         look = self._index.tokens[nxt] if nxt is not None else None
         if look is None or look >= logits.shape[0] or look == model:   # (the draft is fed the token next: it needs a row)
             self._round.append((model, 0, None, 0))                    # nothing to choose, nothing to learn
-            self._tail = self._tail[1:] + [int(ids[g])]
-            return conf
-        # the model's sureness: the probability of its argmax; with sampling the largest of q, not
-        # q(drawn token), so that the choice does not depend on the draw
-        sure = (conf if want_conf else _confidence(logits, q_row, model, True)) if greedy else float(q_row.max())
-        b = min(int(sure * _BINS), _BINS - 1)
-        keeps, seen = self._rates
-        use = keeps[0, n, b] > keeps[1, n, b]   # same denominator (positions seen): compare the sums
-        # learn() scores the model against p: at greedy by its token, otherwise by its q (copied
-        # when the row is overwritten below)
-        self._round.append((model if greedy else q_row.copy() if use else q_row, b, look, n))
-        if use:  # q one-hot on the lookup token: what this position's draft was drawn from
-            q_row.fill(0.0)
-            q_row[look] = 1.0
-            ids[g] = look
-            self.replaced += 1
-            conf = float(keeps[0, n, b] / seen[n, b])   # its expected keep rate: the length policy's signal
+        else:
+            b = sureness_bin(self._sureness(logits, q_row, int(ids[g]), conf if want_conf else None, sampling.greedy))
+            use = prefers_lookup(self._rates[0], n, b)
+            # learn() scores the model against p: at greedy by its token, otherwise by its q (copied
+            # when the row is overwritten below)
+            self._round.append((model if sampling.greedy else q_row.copy() if use else q_row, b, look, n))
+            if use:  # q one-hot on the lookup token: what this position's draft was drawn from
+                q_row.fill(0.0)
+                q_row[look] = 1.0
+                ids[g] = look
+                self.replaced += 1
+                keeps, seen = self._rates
+                conf = float((keeps[0, n, b] + _PRIOR_LOOKUP) / (seen[n, b] + _PRIOR_SEEN))  # the length policy's signal
         self._tail = self._tail[1:] + [int(ids[g])]
         return conf
+
+    @staticmethod
+    def _sureness(logits: np.ndarray, q_row: np.ndarray, drawn: int, conf: float | None, greedy: bool) -> float:
+        """The model's sureness at this position: at greedy the probability of its argmax (``drawn``);
+        with sampling the largest probability of q, NOT q(drawn), so that the choice does not depend
+        on the draw (it would then not be the one-hot or the q the position reports)."""
+        if not greedy:
+            return float(q_row.max())
+        return conf if conf is not None else _confidence(logits, q_row, drawn, True)
 
     def learn(self, examined: int, target_rows: np.ndarray, greedy: bool) -> None:
         """After the verify call: ``target_rows`` are the target's argmaxes [g + 1] at greedy, else
@@ -391,6 +410,12 @@ class NgramIndex:
         # suffixes we look up, and an occurrence needs at least one following token.
         self._table: dict[tuple[int, ...], int] = {}
         self._indexed = 0
+
+    @staticmethod
+    def check(max_ngram: int, min_ngram: int) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            from .errors import InvalidArgumentError
+            raise InvalidArgumentError(f"need 1 <= min_ngram <= max_ngram; got {min_ngram}, {max_ngram}")
 
     def sync(self, generated: list[int]) -> list[int]:
         """Make the tokens prompt + ``generated`` (a rollback may have shortened them); return them."""

@@ -183,38 +183,53 @@ def test_lookahead_mutants_are_caught(mutant):
         assert_matches_target(target, outs, sampling, mutant.__name__)
 
 
-def _hybrid(cls=None, lookup_first: bool = False):
-    """One HybridDrafter (or subclass) for every sample, as an Engine keeps one; ``lookup_first``
-    starts its statistics so that a lookup token takes every position where one differs."""
+def _hybrid(cls=HybridDrafter):
+    """One HybridDrafter (or subclass) for every sample, as an Engine keeps one."""
     made = []
 
     def factory(db):
         if not made:
-            made.append((cls or HybridDrafter)(db))
-            if lookup_first:
-                made[0]._stats = _LookupFirst()
+            made.append(cls(db))
         return made[0]
     return factory
 
 
-class _LookupFirst(dict):
-    def __missing__(self, sampling):
-        shape = (5, 10)
-        self[sampling] = (np.stack([np.full(shape, 1e9), np.zeros(shape)]), np.full(shape, 1e9))
-        return self[sampling]
+class _Forced(HybridDrafter):
+    """Learns nothing: a lookup token takes every position where it differs and the model's
+    sureness is 0.5 or more (bins 5-9), and none elsewhere, so that the bin decides."""
+
+    def propose(self, generated, gamma, sampling, rng, vocab, keep_going=None):
+        if sampling not in self._stats:
+            keeps = np.zeros((2, self.max_ngram + 1, 10))
+            keeps[0, :, 5:], keeps[1, :, :5] = 10.0, 10.0
+            self._stats[sampling] = (keeps, np.full((self.max_ngram + 1, 10), 10.0))
+        return super().propose(generated, gamma, sampling, rng, vocab, keep_going)
+
+    def learn(self, examined, target_rows, greedy):
+        pass
 
 
-@pytest.mark.parametrize("sampling,adaptive,lookup_first", [
-    (SamplingConfig(1.0), False, False), (SamplingConfig(1.0), False, True),
-    (SamplingConfig(0.6, top_k=3), True, True)], ids=["T1-learned", "T1-lookup-first", "T0.6-topk3-adaptive-lookup-first"])
-def test_hybrid_drafter_is_exact(sampling, adaptive, lookup_first):
+class _BinByDraw(_Forced):
+    """Mutant: with sampling, the sureness bin from q(drawn token), not max q: whether the lookup
+    token replaces the draw depends on the draw."""
+
+    @staticmethod
+    def _sureness(logits, q_row, drawn, conf, greedy):
+        return float(q_row[drawn])
+
+
+@pytest.mark.parametrize("cls,sampling,adaptive", [
+    (HybridDrafter, SamplingConfig(1.0), False), (_Forced, SamplingConfig(1.0), False),
+    (_Forced, SamplingConfig(0.6, top_k=3), True)], ids=["T1-learned", "T1-forced", "T0.6-topk3-adaptive-forced"])
+def test_hybrid_drafter_is_exact(cls, sampling, adaptive):
     """The draft model with prompt-lookup tokens in its place: as learned over the samples, and
-    with lookup taking every position it can (so replaced positions are in the sample)."""
-    factory = _hybrid(lookup_first=lookup_first)
+    with lookup forced in half the sureness bins (so replaced positions, and the bin rule, are in
+    the sample)."""
+    factory = _hybrid(cls)
     target, outs, _, kinds = sample_outputs(3, sampling, N_SAMPLES, factory, seed=15, adaptive=adaptive, length=7)
-    assert factory(None).replaced > (N_SAMPLES if lookup_first else N_SAMPLES // 20), factory(None).replaced
+    assert factory(None).replaced > N_SAMPLES // 20, factory(None).replaced
     assert {"accepted", "recovered", "bonus"} <= kinds
-    assert_matches_target(target, outs, sampling, "hybrid drafter")
+    assert_matches_target(target, outs, sampling, f"hybrid drafter ({cls.__name__})")
 
 
 class _DrawDecides(HybridDrafter):
@@ -249,7 +264,7 @@ class _ModelQKept(HybridDrafter):
         return conf
 
 
-@pytest.mark.parametrize("mutant", [_DrawDecides, _ModelQKept], ids=["draw-decides", "model-q-kept"])
+@pytest.mark.parametrize("mutant", [_DrawDecides, _ModelQKept, _BinByDraw], ids=["draw-decides", "model-q-kept", "bin-by-draw"])
 def test_hybrid_mutants_are_caught(mutant):
     sampling = SamplingConfig(1.0)
     target, outs, _, _ = sample_outputs(3, sampling, N_MUTANT, _hybrid(mutant), seed=16, length=7)
