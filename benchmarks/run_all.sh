@@ -79,6 +79,7 @@ edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --draft model,
 for run in "" -b; do
   edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0,1 --draft model,hybrid --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-hybrid$run"
 done
+edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0 --draft model,hybrid --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-hybrid-c"
 python benchmarks/lookup_agreement.py "$large4" --out "$out/lookup-agreement"
 python benchmarks/lookup_agreement.py "$large4" --max-new-tokens 96 --out "$out/lookup-agreement-96"
 # 2. the same grid with the pair's own draft and the small distilled draft
