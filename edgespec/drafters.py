@@ -3,9 +3,11 @@ or, with no second model, earlier text (prompt lookup / n-gram).
 
 A drafter has ``vocab_size`` (None if it has no vocabulary of its own), ``start(prompt)``,
 ``room(n_generated)``, ``propose(...) -> (ids [g], q [g, V], confidences [g])`` and
-``rollback(kept)``. ``propose`` may return fewer tokens than asked (even none): a draft length
-chosen from the draft's own information keeps the round exact (Appendix A.1 holds for any gamma
-fixed before the target is consulted)."""
+``rollback(kept)``; optionally ``learn(examined, target_rows, greedy)``, which the loop calls after
+each verify call (HybridDrafter learns from it: what it learns may shape later rounds only).
+``propose`` may return fewer tokens than asked (even none): a draft length chosen from the draft's
+own information keeps the round exact (Appendix A.1 holds for any gamma fixed before the target is
+consulted)."""
 from __future__ import annotations
 
 import queue
