@@ -136,18 +136,27 @@ def _deliver_again(unraisable, previous_hook, running: threading.Event) -> None:
     callback (JAX has one) is printed and dropped by Python, and the program carried on. Send
     the signal again from another thread, so that its handler runs in the interrupted code once
     this hook has returned (a handler run inside the hook would be dropped the same way)."""
-    if isinstance(unraisable.exc_value, KeyboardInterrupt):
-        signum = signal.SIGINT
-    elif isinstance(unraisable.exc_value, _Terminated):
-        signal.signal(signal.SIGTERM, _raise_terminated)  # its handler had reset itself for a second SIGTERM
-        signum = signal.SIGTERM
-    else:
+    exc = unraisable.exc_value
+    if not isinstance(exc, (KeyboardInterrupt, _Terminated)):
         return previous_hook(unraisable)
-    # 10 ms later: the hook has long returned (if not, the signal lands here again and is re-sent);
-    # not once the command has ended (a second Ctrl-C dropped during its clean-up)
-    timer = threading.Timer(0.01, lambda: running.is_set() and os.kill(os.getpid(), signum))
-    timer.daemon = True
-    timer.start()
+    delay = 0.01
+    while True:
+        if isinstance(exc, KeyboardInterrupt):
+            signum = signal.SIGINT
+        else:
+            signal.signal(signal.SIGTERM, _raise_terminated)  # its handler had reset itself for a second SIGTERM
+            signum = signal.SIGTERM
+        # 10 ms later, when this hook has usually returned; not once the command has ended (a
+        # second Ctrl-C dropped during its clean-up)
+        timer = threading.Timer(delay, lambda: running.is_set() and os.kill(os.getpid(), signum))
+        timer.daemon = True
+        try:
+            timer.start()  # (waits for the thread to start: on a loaded machine, longer than 10 ms)
+            return
+        except (KeyboardInterrupt, _Terminated) as again:
+            # The signal landed while this hook still ran. Python drops an exception raised in
+            # the hook too (it does not call the hook for it), so send it once more, later.
+            exc, delay = again, delay * 2
 
 
 def _raise_terminated(signum, frame):

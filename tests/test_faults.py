@@ -372,6 +372,34 @@ def test_a_signal_dropped_inside_a_gc_callback_still_stops_the_command():
     assert "x: interrupted" in proc.stderr and "x: terminated" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_a_resent_signal_landing_inside_the_hook_is_sent_again():
+    """On a loaded machine the hook can still be running when the re-sent signal arrives (starting
+    the timer's thread waits for it); Python drops an exception raised in the hook as well, and the
+    command ran to its end (CI saw it once). Simulated by a timer whose start() keeps the hook busy
+    for 50 ms: the signal is sent again, later, until it lands outside the hook."""
+    code = (
+        "import threading, time\n"
+        "import edgespec.cli as cli\n"
+        "from edgespec.cli import run_script, _Terminated\n"
+        "class SlowStart(threading.Timer):\n"
+        "    def start(self):\n"
+        "        super().start()\n"
+        "        time.sleep(0.05)\n"
+        "cli.threading = type('T', (), {'Timer': SlowStart, 'Event': threading.Event,\n"
+        "                              'current_thread': threading.current_thread, 'main_thread': threading.main_thread})\n"
+        "class Boom:\n"
+        "    def __init__(self, exc): self.exc = exc\n"
+        "    def __del__(self): raise self.exc()\n"
+        "def main(exc):\n"
+        "    b = Boom(exc); del b\n"
+        "    for _ in range(200): time.sleep(0.01)\n"
+        "    return 0\n"
+        "print(run_script(lambda: main(KeyboardInterrupt), 'x'), run_script(lambda: main(_Terminated), 'x'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["130", "143"], proc.stdout + proc.stderr
+    assert "x: interrupted" in proc.stderr and "x: terminated" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_swap_into_place_rechecks_the_output_at_the_rename(tmp_path, monkeypatch):
     """The output may change while a command works: without --overwrite a folder that appeared is
     never replaced (a user's files, another run's bundle); with it, only an earlier output is; an
