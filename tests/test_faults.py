@@ -352,11 +352,17 @@ def test_keyboard_interrupt_in_cli_generate(tiny_bundle, monkeypatch, capsys):
     assert "interrupted" in err and "Traceback" not in err
 
 
+# A child started from a shell's background job inherits SIGINT ignored, and Python then installs no
+# handler for it (a re-sent Ctrl-C would do nothing): these tests give the child the usual one.
+_DEFAULT_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+
+
 def test_a_signal_dropped_inside_a_gc_callback_still_stops_the_command():
     """Python prints and drops an exception raised in a __del__ or gc callback (JAX's, during an
     XLA export): a Ctrl-C or SIGTERM landing there used to be lost and the export ran to the end.
     run_script sends the signal again, so the command still ends with 130 / 143."""
     code = (
+        _DEFAULT_SIGINT +
         "import time\n"
         "from edgespec.cli import run_script, _Terminated\n"
         "class Boom:\n"
@@ -378,6 +384,7 @@ def test_a_resent_signal_landing_inside_the_hook_is_sent_again():
     command ran to its end (CI saw it once). Simulated by a timer whose start() keeps the hook busy
     for 50 ms: the signal is sent again, later, until it lands outside the hook."""
     code = (
+        _DEFAULT_SIGINT +
         "import threading, time\n"
         "import edgespec.cli as cli\n"
         "from edgespec.cli import run_script, _Terminated\n"
