@@ -183,17 +183,6 @@ def test_lookahead_mutants_are_caught(mutant):
         assert_matches_target(target, outs, sampling, mutant.__name__)
 
 
-def _hybrid(cls=HybridDrafter):
-    """One HybridDrafter (or subclass) for every sample, as an Engine keeps one."""
-    made = []
-
-    def factory(db):
-        if not made:
-            made.append(cls(db))
-        return made[0]
-    return factory
-
-
 class _Forced(HybridDrafter):
     """Learns nothing: a lookup token takes every position where it differs and the model's
     sureness is 0.5 or more (bins 5-9), and none elsewhere, so that the bin decides."""
@@ -225,7 +214,7 @@ def test_hybrid_drafter_is_exact(cls, sampling, adaptive):
     """The draft model with prompt-lookup tokens in its place: as learned over the samples, and
     with lookup forced in half the sureness bins (so replaced positions, and the bin rule, are in
     the sample)."""
-    factory = _hybrid(cls)
+    factory = _shared(cls)  # one for every sample, as an Engine keeps one
     target, outs, _, kinds = sample_outputs(3, sampling, N_SAMPLES, factory, seed=15, adaptive=adaptive, length=7)
     assert factory(None).replaced > N_SAMPLES // 20, factory(None).replaced
     assert {"accepted", "recovered", "bonus"} <= kinds
@@ -267,7 +256,7 @@ class _ModelQKept(HybridDrafter):
 @pytest.mark.parametrize("mutant", [_DrawDecides, _ModelQKept, _BinByDraw], ids=["draw-decides", "model-q-kept", "bin-by-draw"])
 def test_hybrid_mutants_are_caught(mutant):
     sampling = SamplingConfig(1.0)
-    target, outs, _, _ = sample_outputs(3, sampling, N_MUTANT, _hybrid(mutant), seed=16, length=7)
+    target, outs, _, _ = sample_outputs(3, sampling, N_MUTANT, _shared(mutant), seed=16, length=7)
     with pytest.raises(AssertionError, match="differs from the target"):
         assert_matches_target(target, outs, sampling, mutant.__name__)
 
