@@ -12,6 +12,12 @@ Adding draft i + 1 raises the rate iff its marginal gain over marginal cost beat
 rate (a ratio of sums). The decision uses only the draft's information and past rounds, never
 the target's verdict on this round, so exactness is untouched (Appendix A.1 holds for any gamma
 fixed before the target is consulted).
+
+Theorem 3.8's objective includes gamma = 0. Before each round the policy compares the rate its
+drafted rounds achieved (tokens committed over the seconds they took, recent rounds) with a plain
+target step's (one token per step) and takes plain steps where those are faster: a small model
+whose weights stay in cache verifies k tokens for nearly k times the cost of one, and a draft the
+target rarely agrees with wastes its rounds. A plain step is plain decoding, so this too is exact.
 """
 from __future__ import annotations
 
@@ -25,6 +31,19 @@ _FORGET_TIME = 0.98  # per-round decay of the time fits (draft and target)
 # the policy then drafts 1 token and never measures a longer round again. So the first rounds
 # draft at full length and are not timed.
 _UNTIMED_ROUNDS = 2
+_SPEC_FORGET = 0.95   # per drafted round: the decay of its (tokens, seconds) sums (about the last 20 rounds)
+_PLAIN_FORGET = 0.9   # per plain step: the decay of the plain step time's sums (about the last 10 steps)
+# A plain step's time is measured only where it matters: drafted rounds clearly faster than the
+# estimate from the verify widths (below) need no check; closer than that, one plain step is timed
+# now and then (every _REMEASURE rounds). While plain steps are faster, a round is drafted anyway
+# after _EXPLORE plain steps, so that a change (text that gets easier, a host that gets busier) is
+# seen: after twice as many when that round lost to a plain step (up to _EXPLORE_MAX), after half
+# as many when it won.
+_CLEAR_WIN = 1.25
+_MIN_EVIDENCE = 8      # timed drafted rounds before plain steps are considered (one round says little)
+_REMEASURE = 64
+_EXPLORE, _EXPLORE_MAX = 16, 128
+_EXPLORE_FORGET = 0.7  # such a round weighs more: the rounds before it are older news
 
 
 class _LinearTime:
@@ -115,6 +134,50 @@ class AdaptiveGamma:
         self._draft_line = (1.0, 0.0)                       # this round's (a, b) of the drafting fit
         self._verify = [1.0] * (max_gamma + 3)              # this round's verify seconds per width
         self._mean_keep = 0.5
+        self._spec = np.zeros(2)      # decayed (tokens, seconds) of timed drafted rounds
+        self._plain = np.zeros(2)     # decayed (steps, seconds) of plain steps
+        self._since_plain = 0         # drafted rounds since a plain step was timed
+        self._plain_run = 0           # plain steps taken since the last drafted round
+        self._explore = _EXPLORE      # plain steps before the next drafted round, while plain steps win
+        self._exploring = False       # this round was drafted only to look again (plain steps were faster)
+
+    # ---------------------------------------------------------------- draft or not
+    def draft_next(self) -> bool:
+        """Draft this round (True), or take a plain target step (False) because plain steps have
+        been committing tokens faster than drafted rounds."""
+        if self._rounds < self._untimed + _MIN_EVIDENCE or self._spec[1] <= 0:
+            return True
+        spec_rate = self._spec[0] / self._spec[1]        # tokens per second of drafted rounds
+        plain_s, measured = self._plain_seconds()
+        if spec_rate >= _CLEAR_WIN / plain_s:
+            return self._drafting()
+        if spec_rate * plain_s > 1.0:                      # drafting wins, but not by much
+            if measured and self._since_plain < _REMEASURE:
+                return self._drafting()
+            return False                                  # time a plain step (an estimate, or an old one)
+        self._plain_run += 1
+        if self._plain_run <= self._explore:
+            return False
+        self._plain_run, self._exploring = 0, True
+        return True                                       # a drafted round to see whether that changed
+
+    def _plain_seconds(self) -> tuple[float, bool]:
+        """A plain step's time and whether it was measured (not estimated from the verify widths)."""
+        if self._fixed is not None:
+            return 1.0, True                              # the unit: one target step
+        if self._plain[0] > 0:
+            return float(self._plain[1] / self._plain[0]), True
+        return self._target_time(1), False               # a 1-token call on the verify widths' line
+
+    def _drafting(self) -> bool:
+        self._plain_run, self._explore, self._exploring = 0, _EXPLORE, False
+        return True
+
+    def record_plain(self, seconds: float) -> None:
+        """Learn from a plain target step (no drafts): its time, sampling included."""
+        self._plain *= _PLAIN_FORGET
+        self._plain += (1.0, seconds)
+        self._since_plain = 0
 
     # ---------------------------------------------------------------- predictions
     def _keep_prob(self, confidence: float) -> float:
@@ -164,8 +227,22 @@ class AdaptiveGamma:
             self._kept[b] += float(j < n_accepted)
         if g:
             self._rounds += 1
+        else:                                # the drafter had nothing to propose: a plain step
+            self.record_plain(draft_s + target_s)
         if self._rounds <= self._untimed:    # warm-up rounds (see _UNTIMED_ROUNDS)
             return
         if g:
             self._draft_time.add(g, draft_s)
+            if self._fixed is not None:      # priced in target steps, as start_round does
+                c, slope = self._fixed
+                seconds = c * g + 1.0 + slope * g
+            else:
+                seconds = draft_s + target_s
+            self._spec *= _EXPLORE_FORGET if self._exploring else _SPEC_FORGET
+            self._spec += (n_accepted + 1.0, seconds)
+            self._since_plain += 1
+            if self._exploring:  # look again sooner after a round that beat a plain step, later otherwise
+                won = (n_accepted + 1.0) * self._plain_seconds()[0] > seconds
+                self._explore = max(_EXPLORE, self._explore // 2) if won else min(2 * self._explore, _EXPLORE_MAX)
+                self._exploring = False
         self._target_time.add(g + 1, target_s)

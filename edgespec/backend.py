@@ -21,6 +21,8 @@ class Backend(Protocol):
         length: tokens currently in the cache.
         is_encoder_decoder (optional): True when ``prefill`` sends the prompt to an encoder and
             ``length`` counts decoder tokens only (T5); absent means decoder-only.
+        verify_width (optional): the most tokens one ``extend`` call takes (XLA artifacts are
+            compiled for fixed widths); absent means any number.
     """
 
     vocab_size: int

@@ -199,6 +199,10 @@ def run(args: argparse.Namespace) -> int:
         lenient = f" l={v['lenience']:g}" if v["lenience"] != 1 else ""
         print(f"T={v['temperature']:g}{lenient} {v['draft']}: adaptive gamma / best static gamma ({v['best_static_gamma']}) "
               f"= {v['adaptive_over_best_static']:.3f} {iqr} (speculative tokens/s, same run)")
+    for r in rows:
+        if r["gamma"] is None and r["plain_step_share"] > 0.05:
+            print(f"{r['setting']}: {r['plain_step_share']:.0%} of the tokens came from plain target steps, which "
+                  "the adaptive policy found faster than drafted rounds here")
     note = hardware_counters_note()
     print(note)
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),

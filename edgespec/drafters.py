@@ -47,11 +47,16 @@ class ModelDrafter:
                 rng: np.random.Generator, vocab: int,
                 keep_going: KeepGoing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Draw up to gamma tokens autoregressively from q (the processed draft distribution)."""
-        feed = np.asarray(generated[self.backend.length - self._base:], dtype=np.int64)  # [1 or 2] unseen tokens
+        # [u] unseen tokens: 1 or 2 after a round, more after plain steps the adaptive policy took
+        feed = np.asarray(generated[self.backend.length - self._base:], dtype=np.int64)
         if vocab > self.vocab_size and feed.max(initial=0) >= self.vocab_size:
             # A target with more rows than the draft can commit an id the draft has no row for.
             # Any stand-in keeps the output exact: q only has to be what the drafts were drawn from.
             feed = np.minimum(feed, self.vocab_size - 1)
+        width = getattr(self.backend, "verify_width", None) or feed.shape[0]  # XLA: at most this many per call
+        while feed.shape[0] > width:
+            self.backend.extend(feed[:width])
+            feed = feed[width:]
         return self._draft(feed, gamma, sampling, rng.random, vocab, keep_going)
 
     def _draft(self, feed: np.ndarray, gamma: int, sampling: SamplingConfig, uniform: Callable[[], float],
@@ -155,7 +160,10 @@ class LookaheadDrafter(ModelDrafter):
             # the cache holds the prefix and y_1..y_{k-1}: keep what drafting ids[:m] would have fed
             self.backend.rewind_to(self._base + len(generated) + m - 1)
         else:
-            self.backend.rewind_to(min(self.backend.length, self._base + len(generated) - 1))
+            # The cache is right up to the committed tokens the worker's drafts assumed (y_1.. follow
+            # them); plain steps since then may have committed more, which propose feeds.
+            known = len(generated) - 1 if ahead is None else min(len(generated) - 1, ahead[0])
+            self.backend.rewind_to(min(self.backend.length, self._base + known))
             ids, q, conf = super().propose(generated, gamma, sampling, rng, vocab, keep_going)
         k = min(gamma + 1, self.backend.max_length - self.backend.length - 1)
         if ids.shape[0] and k > 0:

@@ -32,7 +32,8 @@ class GenerationStats:
     accepted: int = 0                # draft tokens the target kept (an EOS/stop id may cut some from the output)
     emitted: int = 0                 # tokens committed (the output length)
     round_tokens: int = 0            # tokens committed by speculative rounds (1 + plain_steps + this = emitted)
-    plain_steps: int = 0             # target steps without drafts (nothing to draft, no room)
+    plain_steps: int = 0             # target steps without drafts (nothing to draft, no room, or the
+                                     # adaptive policy found plain steps faster)
     accepted_hist: list[int] = field(default_factory=list)  # [n] rounds that kept n drafts
     gamma_hist: list[int] = field(default_factory=list)     # [g] rounds drafted with gamma g
     beta_sum: float = 0.0            # sum of sum_x min(p, q) over examined draft positions
@@ -198,7 +199,8 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
 
 
 def _plain_step(target: Backend, generated: list[int], config: GenerationConfig,
-                rng: np.random.Generator, vocab: int, stats: GenerationStats) -> int:
+                rng: np.random.Generator, vocab: int, stats: GenerationStats,
+                policy: AdaptiveGamma | None = None) -> int:
     t0 = time.perf_counter()
     logits = target.extend(np.asarray(generated[-1:], dtype=np.int64))[:, :vocab]  # [1, V]
     t1 = time.perf_counter()
@@ -210,7 +212,10 @@ def _plain_step(target: Backend, generated: list[int], config: GenerationConfig,
     stats.plain_steps += 1
     stats.target_s += t1 - t0
     stats.plain_step_s += t1 - t0
-    stats.sample_s += time.perf_counter() - t1
+    t2 = time.perf_counter()
+    stats.sample_s += t2 - t1
+    if policy is not None:
+        policy.record_plain(t2 - t0)
     return token
 
 
@@ -281,22 +286,27 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
         policy = policy if policy is not None else AdaptiveGamma(config.max_gamma)
     else:
         policy = None
+    started = False  # the draft's prefill waits for the first drafted round (there may be none)
     try:
-        if drafter is not None and reason is None:
-            t0 = time.perf_counter()
-            drafter.start(prompt)
-            stats.prefill_s += time.perf_counter() - t0
         while reason is None:
             remaining = config.max_new_tokens - len(out)
             gamma = 0
             if drafter is not None:
                 # Never draft past what can be emitted or what the caches can hold.
-                gamma = max(0, min(config.gamma or config.max_gamma, remaining - 1,
-                                   target.max_length - target.length - 1, drafter.room(len(out))))
+                gamma = max(0, min(config.gamma or config.max_gamma, remaining - 1, target.max_length - target.length - 1))
+            if gamma > 0 and policy is not None and not policy.draft_next():
+                gamma = 0  # plain steps have been faster than drafted rounds (gamma = 0 in Theorem 3.8's objective)
+            if gamma > 0:
+                if not started:
+                    t0 = time.perf_counter()
+                    drafter.start(prompt)
+                    stats.prefill_s += time.perf_counter() - t0
+                    started = True
+                gamma = min(gamma, drafter.room(len(out)))
             if gamma > 0:
                 tokens, kinds = speculative_step(target, drafter, out, gamma, config, rng, vocab, stats, policy)
             else:
-                tokens, kinds = [_plain_step(target, out, config, rng, vocab, stats)], [TARGET]
+                tokens, kinds = [_plain_step(target, out, config, rng, vocab, stats, policy)], [TARGET]
             block, reason = commit(tokens, kinds)
             # An EOS or stop id inside a round cuts the tokens after it from the output: round_tokens
             # counts the output; accepted/beta keep the target's verdict (a property of the pair).

@@ -25,8 +25,9 @@ class ReadCounter:
     def __init__(self, backend, weight_bytes: int, kv_bytes_per_token: int):
         self.backend = backend
         self.vocab_size, self.max_length = backend.vocab_size, backend.max_length
-        if hasattr(backend, "is_encoder_decoder"):  # the loop's length messages read it
-            self.is_encoder_decoder = backend.is_encoder_decoder
+        for name in ("is_encoder_decoder", "verify_width"):  # the loop and the drafters read them
+            if hasattr(backend, name):
+                setattr(self, name, getattr(backend, name))
         self.weight_bytes, self.kv_bytes_per_token = weight_bytes, kv_bytes_per_token
         self.reset()
 
@@ -108,7 +109,11 @@ class SettingResult:
         alpha_test = sum(s.keep_sum for s in self.stats) / beta_n if beta_n else float("nan")
         rounds = sum(s.rounds for s in self.stats)
         drafted = sum(s.drafted for s in self.stats)
-        mean_gamma = drafted / rounds if rounds else 0.0
+        mean_gamma = drafted / rounds if rounds else float("nan")
+        # tokens committed by plain target steps: a run's last token (no room for a draft), lookups
+        # that found nothing, and those the adaptive policy found faster than drafted rounds
+        emitted = sum(s.emitted for s in self.stats)
+        plain_share = sum(s.plain_steps for s in self.stats) / emitted if emitted else float("nan")
         hist: list[int] = []
         for s in self.stats:
             for n, k in enumerate(s.accepted_hist):
@@ -118,10 +123,10 @@ class SettingResult:
         # the theory column assumes gamma drafts every round: for adaptive gamma and for prompt lookup
         # (which proposes only what it finds) the mean drafted per round stands in for it, and for a
         # static gamma too where the loop drafted fewer (rounds capped by the tokens left to generate)
-        g = self.setting.gamma if self.setting.gamma is not None and self.setting.draft != "ngram" \
-            else max(1, round(mean_gamma))
+        drafted_g = max(1, round(mean_gamma)) if rounds else 1
+        g = self.setting.gamma if self.setting.gamma is not None and self.setting.draft != "ngram" else drafted_g
         if rounds:
-            g = min(g, max(1, round(mean_gamma)))
+            g = min(g, drafted_g)
         a = alpha_test if self.setting.lenience < 1 else alpha
         ok = 0 <= a <= 1 and c == c
         # Theorem 3.8 assumes a verify call of g + 1 tokens costs one target step. V is what it
@@ -137,6 +142,7 @@ class SettingResult:
             "gamma": self.setting.gamma, "mean_gamma": mean_gamma,
             "temperature": self.setting.sampling.temperature, "top_k": self.setting.sampling.top_k,
             "top_p": self.setting.sampling.top_p, "lenience": self.setting.lenience, "draft": self.setting.draft,
+            "plain_step_share": plain_share,
             "alpha": alpha, "acceptance_rate": sum(s.accepted for s in self.stats) / beta_n if beta_n else float("nan"),
             "c": c,
             "tokens_per_round": tokens_per_round,

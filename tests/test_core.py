@@ -610,3 +610,125 @@ def test_adaptive_with_fixed_costs_ignores_timings():
     assert a == b and len(set(a)) > 1
     measured = AdaptiveGamma(8)  # the measuring policy does follow the times
     assert measured._fixed is None
+
+
+def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0.1):
+    """Drive a policy as the loop does over a modelled pair: a plain step costs ``step``, a verify
+    call of g + 1 tokens step * (1 + verify_slope * g), a draft step draft_c * step; each draft is
+    kept with probability ``keep``. Returns the drafts per round (0: a plain step)."""
+    out = []
+    for _ in range(rounds):
+        if not policy.draft_next():
+            policy.record_plain(step)
+            out.append(0)
+            continue
+        policy.start_round()
+        g = 1
+        while g < policy.max_gamma and policy.keep_going(g, 0.5):
+            g += 1
+        kept = 0
+        while kept < g and rng.random() < keep:
+            kept += 1
+        policy.update(np.full(g, 0.5), kept, draft_c * step * g, step * (1 + verify_slope * g))
+        out.append(g)
+    return out
+
+
+def _plain_runs(choices):
+    """Lengths of the runs of plain steps between drafted rounds."""
+    runs, n = [], 0
+    for g in choices:
+        if g == 0:
+            n += 1
+        elif n:
+            runs.append(n)
+            n = 0
+    return runs
+
+
+def test_adaptive_policy_takes_plain_steps_where_drafting_is_slower():
+    """Theorem 3.8's objective includes gamma = 0: where a verify call of k tokens costs k plain
+    steps (weights in cache, arithmetic bound) and a third of the drafts are kept, drafted rounds
+    commit fewer tokens per second than plain steps. The policy then takes plain steps, drafting a
+    round after 16 of them, then after twice as many each time such a round loses (at most 128),
+    half as many when it wins; once the text gets easy and drafting wins, it drafts again."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    rng = np.random.default_rng(0)
+    pol = AdaptiveGamma(8)
+    slow = _modelled_run(pol, 1500, keep=0.2, verify_slope=0.5, rng=rng)
+    assert 0 not in slow[:10]                                # warm-up and evidence: drafted rounds
+    assert slow[500:].count(0) > 0.98 * len(slow[500:])      # then plain steps, almost only
+    runs = _plain_runs(slow)
+    assert runs[0] == 16 and max(runs) == 128 and np.median(runs) >= 64, runs
+    easy = _modelled_run(pol, 600, keep=0.95, verify_slope=0.5, rng=rng)   # the text gets easy
+    assert easy[:300].count(0) < 200 and easy[-300:].count(0) <= 6, _plain_runs(easy)
+    assert np.mean(easy[-300:]) > 2.5                        # drafting again, several tokens a round
+
+
+def test_adaptive_policy_never_takes_plain_steps_where_drafting_clearly_wins():
+    """Drafted rounds 25% or more faster than the plain step estimated from the verify widths: no
+    plain step is ever taken to check (a check costs a round's worth of tokens)."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    choices = _modelled_run(AdaptiveGamma(8), 800, keep=0.85, verify_slope=0.1, rng=np.random.default_rng(1))
+    assert 0 not in choices
+
+
+def test_adaptive_policy_times_plain_steps_where_drafting_wins_narrowly():
+    """Drafting a little faster than plain steps (about 1.15x): a plain step is timed, then one
+    again after 64 drafted rounds; the policy keeps drafting in between."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    choices = _modelled_run(AdaptiveGamma(8), 800, keep=0.6, verify_slope=0.25, rng=np.random.default_rng(2))
+    plain = [i for i, g in enumerate(choices) if g == 0]
+    assert 5 <= len(plain) <= 20, plain
+    assert all(b - a > 60 for a, b in zip(plain, plain[1:]) if b - a > 1), plain
+
+
+def test_adaptive_policy_with_fixed_costs_takes_plain_steps_reproducibly():
+    """Priced in target steps (a seeded sampled run), the plain-step decision depends only on the
+    tokens: the same outcomes give the same choices whatever the measured times."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    def choices(step):
+        return _modelled_run(AdaptiveGamma(8, fixed_costs=(0.3, 1.0)), 300, keep=0.3, verify_slope=1.0,
+                             rng=np.random.default_rng(3), step=step)
+
+    a, b = choices(0.001), choices(0.05)
+    assert a == b and a.count(0) > 200
+
+
+@pytest.mark.parametrize("width", [None, 2], ids=["any-width", "verify-width-2"])
+def test_drafters_after_plain_steps_draft_from_the_committed_text(width):
+    """Plain steps the adaptive policy takes commit tokens the draft never saw. The next drafts
+    must come from the committed text, as a fresh draft's would: the model drafter feeds the unseen
+    tokens (at most ``verify_width`` per call where the backend has one, as XLA artifacts do), and
+    the lookahead drafter, whose cache still holds drafts it made for a round that never came,
+    drops them first. (Drafts from a wrong context would stay exact, only less often kept.)"""
+    from edgespec.drafters import LookaheadDrafter, ModelDrafter
+
+    class Width(ToyBackend):
+        verify_width = width
+
+        def extend(self, ids):
+            assert width is None or len(ids) <= width, f"{len(ids)} tokens in one call (width {width})"
+            return super().extend(ids)
+
+    draft_lm = ToyLM(40, order=3, seed=8)
+    prompt, greedy = np.array([1, 2]), SamplingConfig(0.0)
+    rng = np.random.default_rng(0)
+    for cls in (ModelDrafter, LookaheadDrafter):
+        d = cls(Width(draft_lm, 200))
+        d.start(prompt)
+        ids = d.propose([5], 3, greedy, rng, 40)[0]
+        d.rollback(1 + len(ids))                        # every draft kept (the lookahead's drafts stand)
+        made = set(d._ahead[1].tolist()) if cls is LookaheadDrafter else set()
+        plain = [t for t in range(10, 40) if t not in made][:2]   # a bonus, then a plain step
+        generated = [5, *ids.tolist(), *plain]
+        ref = ModelDrafter(ToyBackend(draft_lm, 200))
+        ref.start(prompt)
+        want = ref.propose(generated, 4, greedy, rng, 40)[0]
+        assert d.propose(generated, 4, greedy, rng, 40)[0].tolist() == want.tolist(), cls.__name__
+        if cls is LookaheadDrafter:
+            d.close()

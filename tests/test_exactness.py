@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from edgespec import loop as loop_mod
+from edgespec.adaptive import AdaptiveGamma
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.drafters import HybridDrafter, LookaheadDrafter, ModelDrafter, NgramDrafter
 from edgespec.loop import generate
@@ -27,10 +28,11 @@ def make_pair(noise: float = 2.0):
 
 
 def sample_outputs(gamma: int, sampling: SamplingConfig, n: int, draft_factory=ModelDrafter,
-                   seed: int = 0, lenience: float = 1.0, adaptive: bool = False, length: int | None = None):
+                   seed: int = 0, lenience: float = 1.0, adaptive: bool = False, length: int | None = None,
+                   policy=None):
     """Outputs of length gamma + 2 (or ``length``): token 1 comes from the prefill, tokens
     2..gamma+2 from the first round (token gamma+2 is the bonus when every draft is kept), later
-    rounds fill the rest."""
+    rounds fill the rest. ``policy``: one adaptive policy for every sample (with ``adaptive``)."""
     target, draft = make_pair()
     tb, db = ToyBackend(target, 64), ToyBackend(draft, 64)
     length = length or gamma + 2
@@ -41,7 +43,7 @@ def sample_outputs(gamma: int, sampling: SamplingConfig, n: int, draft_factory=M
     first_round = np.zeros(gamma + 1, dtype=np.int64)  # accepted-count histogram of round 1
     kinds = set()
     for i in range(n):
-        res = generate(tb, PROMPT, cfg, rng, draft=draft_factory(db))
+        res = generate(tb, PROMPT, cfg, rng, draft=draft_factory(db), policy=policy)
         outs[i] = res.tokens
         kinds.update(res.sources)
         n_acc = 0
@@ -127,6 +129,39 @@ def test_adaptive_gamma_is_exact():
     target, outs, _, kinds = sample_outputs(4, sampling, N_SAMPLES, adaptive=True, seed=11)
     assert {"accepted", "recovered", "bonus"} <= kinds
     assert_matches_target(target, outs, sampling, "adaptive gamma")
+
+
+class _CoinPolicy(AdaptiveGamma):
+    """Drafts a round or takes a plain step by a coin of its own (independent of the run's tokens
+    and uniforms, as the real policy's choice depends only on earlier rounds), so that rounds follow
+    plain steps at every position: the draft then catches up on tokens it never saw."""
+
+    def __init__(self, max_gamma: int):
+        super().__init__(max_gamma, fixed_costs=(0.1, 0.1))
+        self._coin = np.random.default_rng(99)
+        self.plain = self.drafted = 0
+
+    def draft_next(self) -> bool:
+        if self._coin.random() < 0.5:
+            self.drafted += 1
+            return True
+        self.plain += 1
+        return False
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookahead"])
+def test_plain_steps_between_rounds_are_exact(drafter):
+    """The adaptive policy may take plain target steps where those are faster (gamma = 0 in
+    Theorem 3.8's objective); rounds after them draft from a draft model that missed those
+    tokens (the lookahead drafter's drafts made during the last verify assumed none came)."""
+    sampling = SamplingConfig(1.0)
+    factory = _shared(LookaheadDrafter) if drafter == "lookahead" else ModelDrafter
+    policy = _CoinPolicy(2)
+    target, outs, _, kinds = sample_outputs(2, sampling, N_SAMPLES, factory, seed=15, adaptive=True, length=7,
+                                            policy=policy)
+    assert {"accepted", "recovered", "bonus", "target"} <= kinds
+    assert policy.plain > N_SAMPLES and policy.drafted > N_SAMPLES
+    assert_matches_target(target, outs, sampling, f"plain steps between rounds ({drafter})")
 
 
 def _shared(cls):

@@ -185,6 +185,25 @@ def test_gamma_above_the_exported_verify_width(tiny_bundle):
     assert adaptive.ids == plain and len(adaptive.stats.gamma_hist) <= 4
 
 
+@pytest.mark.parametrize("arch", ["llama", "t5"])
+def test_plain_steps_between_rounds_keep_greedy_output(tiny_bundle, monkeypatch, arch):
+    """The adaptive policy may take plain steps between rounds (where those are faster); a coin
+    decides here. Greedy output stays plain decoding's for each drafter, and the draft catches up on
+    the tokens it missed in calls of at most verify_width tokens (XLA artifacts' limit)."""
+    from edgespec import adaptive
+
+    coin = np.random.default_rng(0)
+    monkeypatch.setattr(adaptive.AdaptiveGamma, "draft_next", lambda self: bool(coin.random() < 0.4))
+    eng = load(tiny_bundle(arch), threads=1)
+    eng.target, eng.draft = _Width(eng.target, 4), _Width(eng.draft, 4)
+    plain = eng.generate(PROMPT, max_new_tokens=40, temperature=0, use_draft=False)
+    for drafter in ("model", "lookahead", "hybrid"):
+        out = eng.generate(PROMPT, max_new_tokens=40, temperature=0, drafter=drafter)
+        assert out.ids == plain.ids, drafter
+        assert out.stats.plain_steps >= 5 and out.stats.rounds >= 3, (drafter, out.stats)
+    eng.close()
+
+
 # ---------------------------------------------------------------------------- model outputs
 @pytest.mark.parametrize("where", ["prefill", "round"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, "allneginf"])
