@@ -82,6 +82,12 @@ done
 edgespec bench "$large4" --gammas 3,4,5,6,auto --temperatures 0 --draft model,hybrid --threads 1 --draft-threads 1 --repeats 5 --out "$out/bench-large4-hybrid-c"
 python benchmarks/lookup_agreement.py "$large4" --out "$out/lookup-agreement"
 python benchmarks/lookup_agreement.py "$large4" --max-new-tokens 96 --out "$out/lookup-agreement-96"
+#    plain steps where drafting loses (adaptive gamma choosing gamma = 0): the quick pair, whose
+#    speculative decoding barely pays on a CPU that keeps its weights in cache (results/bench/
+#    quick-plain-steps; quick-before-plain-steps is the same command at commit c3986e0)
+quick=$(edgespec train-pair --preset quick --print-path)
+[ -f "$quick/bundle/edgespec.json" ] || edgespec export --target "$quick/target" --draft "$quick/draft" --out "$quick/bundle" --quiet
+edgespec bench "$quick/bundle" --gammas 2,3,4,auto --temperatures 0,1 --threads 1 --draft-threads 1 --repeats 5 --out "$out/quick-plain-steps"
 # 2. the same grid with the pair's own draft and the small distilled draft
 edgespec bench "$pair_bundle" --gammas 1,2,3,4,6,8,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench"
 edgespec bench "$small" --gammas 2,3,4,6,auto --temperatures 0,1 --threads 1 --repeats 5 --out "$out/bench-distilled"
