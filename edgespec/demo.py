@@ -57,6 +57,33 @@ def _fmt(x: float, spec: str = ".3f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _print_row(row: dict) -> None:
+    g = row["gamma"] if row["gamma"] is not None else f"auto (mean {row['mean_gamma']:.1f})"
+    print(f"\n  temperature {row['temperature']:g}, gamma {g}:")
+    print(f"    alpha (E[sum min(p, q)])       {_fmt(row['alpha'])}")
+    print(f"    c (draft step / verify call)   {_fmt(row['c'])}")
+    print(f"    tokens per round               {_fmt(row['tokens_per_round'], '.2f')} "
+          f"(theory (1 - a^(g+1))/(1 - a): {_fmt(row['expected_tokens_per_round'], '.2f')})")
+    print(f"    tokens/s plain                 {_fmt(row['plain_tokens_per_s'], '.1f')}")
+    print(f"    tokens/s speculative           {_fmt(row['spec_tokens_per_s'], '.1f')}")
+    print(f"    speedup (median, same run)     {_fmt(row['speedup'], '.2f')}x   "
+          f"Theorem 3.8 predicts {_fmt(row['predicted_speedup'], '.2f')}x")
+    print(f"    decode speedup (after 1st tok) {_fmt(row['decode_speedup'], '.2f')}x   "
+          f"(prefill and first token: {_fmt(row['plain_ttft_s'] * 1e3, '.1f')} ms plain, "
+          f"{_fmt(row['spec_ttft_s'] * 1e3, '.1f')} ms speculative)")
+    if "target_read_reduction" in row:
+        print(f"    target bytes read per token    {row['target_bytes_per_token_plain'] / 1e6:.2f} MB plain -> "
+              f"{row['target_bytes_per_token_spec'] / 1e6:.2f} MB speculative "
+              f"({row['target_read_reduction']:.2f}x fewer; draft adds {row['draft_bytes_per_token_spec'] / 1e6:.2f} MB)")
+    if row["gamma"] is None and row["plain_step_share"] > 0.05:
+        print(f"    plain target steps             {row['plain_step_share']:.0%} of the tokens (faster than drafted "
+              "rounds here)")
+    elif row["gamma"] is not None and row["speedup"] < 1:
+        print(f"    slower than plain decoding here: a verify call cost {_fmt(row['verify_cost_steps'], '.2f')} plain "
+              "steps. Adaptive gamma (the default of `edgespec generate` and the API) takes plain steps where "
+              "drafting loses: `edgespec demo --gamma auto`")
+
+
 def run(args: argparse.Namespace) -> int:
     from .api import load
     from .bench import DEFAULT_MAX_NEW_TOKENS, open_bundle
@@ -119,23 +146,7 @@ def run(args: argparse.Namespace) -> int:
           f"{m.target.parameter_bytes.get('per_forward', 0) / 1e6:.1f} MB weights read per forward; "
           f"draft: {layers(m.draft.num_layers)}, {m.draft.parameter_bytes.get('per_forward', 0) / 1e6:.1f} MB")
     for row in rows:
-        g = row["gamma"] if row["gamma"] is not None else f"auto (mean {row['mean_gamma']:.1f})"
-        print(f"\n  temperature {row['temperature']:g}, gamma {g}:")
-        print(f"    alpha (E[sum min(p, q)])       {_fmt(row['alpha'])}")
-        print(f"    c (draft step / verify call)   {_fmt(row['c'])}")
-        print(f"    tokens per round               {_fmt(row['tokens_per_round'], '.2f')} "
-              f"(theory (1 - a^(g+1))/(1 - a): {_fmt(row['expected_tokens_per_round'], '.2f')})")
-        print(f"    tokens/s plain                 {_fmt(row['plain_tokens_per_s'], '.1f')}")
-        print(f"    tokens/s speculative           {_fmt(row['spec_tokens_per_s'], '.1f')}")
-        print(f"    speedup (median, same run)     {_fmt(row['speedup'], '.2f')}x   "
-              f"Theorem 3.8 predicts {_fmt(row['predicted_speedup'], '.2f')}x")
-        print(f"    decode speedup (after 1st tok) {_fmt(row['decode_speedup'], '.2f')}x   "
-              f"(prefill and first token: {_fmt(row['plain_ttft_s'] * 1e3, '.1f')} ms plain, "
-              f"{_fmt(row['spec_ttft_s'] * 1e3, '.1f')} ms speculative)")
-        if "target_read_reduction" in row:
-            print(f"    target bytes read per token    {row['target_bytes_per_token_plain'] / 1e6:.2f} MB plain -> "
-                  f"{row['target_bytes_per_token_spec'] / 1e6:.2f} MB speculative "
-                  f"({row['target_read_reduction']:.2f}x fewer; draft adds {row['draft_bytes_per_token_spec'] / 1e6:.2f} MB)")
+        _print_row(row)
     print(f"\n{hardware_counters_note()}")
     longest = max(len(eng.encode(p)) for p in CODE_PROMPTS)
     fits = longest + DEFAULT_MAX_NEW_TOKENS <= eng.manifest.target.max_positions  # bench's prompts, untrimmed

@@ -223,6 +223,26 @@ def _exit_code(argv) -> int:
         return exc.code
 
 
+def test_demo_says_when_speculation_loses_and_what_adaptive_gamma_did(capsys):
+    """A fixed gamma slower than plain decoding: the demo says so, with the verify cost, and points
+    to adaptive gamma; an adaptive row reports the share of tokens from plain steps."""
+    from edgespec.demo import _print_row
+
+    nan = float("nan")
+    base = dict(temperature=1.0, alpha=0.6, c=0.1, tokens_per_round=2.0, expected_tokens_per_round=2.1,
+                plain_tokens_per_s=2000.0, spec_tokens_per_s=1600.0, predicted_speedup=1.6, decode_speedup=0.8,
+                plain_ttft_s=0.003, spec_ttft_s=0.003, verify_cost_steps=2.04, mean_gamma=nan, plain_step_share=0.004)
+    _print_row({**base, "gamma": 4, "speedup": 0.8})
+    out = capsys.readouterr().out
+    assert "slower than plain decoding here: a verify call cost 2.04 plain steps" in out and "--gamma auto" in out
+    _print_row({**base, "gamma": 4, "speedup": 1.3})
+    assert "slower" not in capsys.readouterr().out
+    _print_row({**base, "gamma": None, "speedup": 0.93, "mean_gamma": 1.2, "plain_step_share": 0.88})
+    out = capsys.readouterr().out
+    assert "gamma auto (mean 1.2)" in out and "plain target steps             88% of the tokens" in out
+    assert "slower" not in out
+
+
 def test_demo_checks_its_options_before_training(monkeypatch, capsys):
     import edgespec.pair
 
