@@ -149,10 +149,10 @@ class AdaptiveGamma:
             return True
         spec_rate = self._spec[0] / self._spec[1]        # tokens per second of drafted rounds
         plain_s, measured = self._plain_seconds()
-        if spec_rate >= _CLEAR_WIN / plain_s:
+        if spec_rate * plain_s >= _CLEAR_WIN:
             return self._drafting()
         if spec_rate * plain_s > 1.0:                      # drafting wins, but not by much
-            if measured and self._since_plain < _REMEASURE:
+            if measured and (self._fixed is not None or self._since_plain < _REMEASURE):
                 return self._drafting()
             return False                                  # time a plain step (an estimate, or an old one)
         self._plain_run += 1

@@ -202,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         if r["gamma"] is None and r["plain_step_share"] > 0.05:
             print(f"{r['setting']}: {r['plain_step_share']:.0%} of the tokens came from plain target steps, which "
-                  "the adaptive policy found faster than drafted rounds here")
+                  "the adaptive policy found faster than drafted rounds here (the theory columns describe the "
+                  "drafted rounds)")
     note = hardware_counters_note()
     print(note)
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),

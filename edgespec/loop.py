@@ -43,6 +43,7 @@ class GenerationStats:
     draft_s: float = 0.0
     target_s: float = 0.0
     plain_step_s: float = 0.0        # the part of target_s spent on plain steps (no drafts) inside the run
+    catch_up_s: float = 0.0          # the draft reading tokens committed by plain steps (before a round drafts)
     sample_s: float = 0.0
     total_s: float = 0.0
     ttft_s: float = 0.0              # time to first token
@@ -144,6 +145,7 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     target's cache). Returns the new tokens (1..gamma+1) and their sources.
     """
     sampling, t0 = config.sampling, time.perf_counter()
+    caught = getattr(drafter, "catch_up_s", 0.0)  # a draft model reading tokens of plain steps first
     # 1. draft: x_1..x_g ~ q autoregressively (g <= gamma; the policy may stop early).
     if policy is not None:
         policy.start_round()
@@ -151,6 +153,8 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
                                  policy.keep_going if policy is not None else None)  # [g], [g, V], [g]
     g = x.shape[0]
     t1 = time.perf_counter()
+    caught = getattr(drafter, "catch_up_s", 0.0) - caught
+    t0 += caught  # not drafting: a one-off cost of the plain steps before (stats.catch_up_s)
     # 2. verify: one target call over [pending, x_1..x_g] gives p_1..p_{g+1}.
     logits = target.extend(np.concatenate(([generated[-1]], x)))[:, :vocab]     # [g+1, V]
     t2 = time.perf_counter()
@@ -184,6 +188,7 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     waited = getattr(drafter, "wait_s", 0.0) - waited
     stats.target_calls += 1
     stats.draft_calls += g
+    stats.catch_up_s += caught
     stats.draft_s += t1 - t0 + waited
     stats.target_s += t2 - t1
     stats.sample_s += t3 - t2 - waited

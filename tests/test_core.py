@@ -612,14 +612,19 @@ def test_adaptive_with_fixed_costs_ignores_timings():
     assert measured._fixed is None
 
 
-def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0.1):
+def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0.1, jitter=None):
     """Drive a policy as the loop does over a modelled pair: a plain step costs ``step``, a verify
     call of g + 1 tokens step * (1 + verify_slope * g), a draft step draft_c * step; each draft is
-    kept with probability ``keep``. Returns the drafts per round (0: a plain step)."""
+    kept with probability ``keep``; ``jitter`` (a Generator) scales each measured time by a random
+    factor in [0.5, 1.5). Returns the drafts per round (0: a plain step)."""
     out = []
+
+    def noisy(t):
+        return t * (0.5 + jitter.random()) if jitter is not None else t
+
     for _ in range(rounds):
         if not policy.draft_next():
-            policy.record_plain(step)
+            policy.record_plain(noisy(step))
             out.append(0)
             continue
         policy.start_round()
@@ -629,7 +634,7 @@ def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0
         kept = 0
         while kept < g and rng.random() < keep:
             kept += 1
-        policy.update(np.full(g, 0.5), kept, draft_c * step * g, step * (1 + verify_slope * g))
+        policy.update(np.full(g, 0.5), kept, noisy(draft_c * step * g), noisy(step * (1 + verify_slope * g)))
         out.append(g)
     return out
 
@@ -688,15 +693,17 @@ def test_adaptive_policy_times_plain_steps_where_drafting_wins_narrowly():
 
 def test_adaptive_policy_with_fixed_costs_takes_plain_steps_reproducibly():
     """Priced in target steps (a seeded sampled run), the plain-step decision depends only on the
-    tokens: the same outcomes give the same choices whatever the measured times."""
+    tokens: the same outcomes give the same choices whatever the measured times (here jittered
+    differently), where a measuring policy's choices follow them."""
     from edgespec.adaptive import AdaptiveGamma
 
-    def choices(step):
-        return _modelled_run(AdaptiveGamma(8, fixed_costs=(0.3, 1.0)), 300, keep=0.3, verify_slope=1.0,
-                             rng=np.random.default_rng(3), step=step)
+    def choices(jitter_seed, fixed=(0.3, 1.0)):
+        return _modelled_run(AdaptiveGamma(8, fixed_costs=fixed), 400, keep=0.3, verify_slope=1.0,
+                             rng=np.random.default_rng(3), jitter=np.random.default_rng(jitter_seed))
 
-    a, b = choices(0.001), choices(0.05)
-    assert a == b and a.count(0) > 200
+    a, b = choices(1), choices(2)
+    assert a == b and a.count(0) > 250 and len(set(a)) > 1
+    assert choices(1, fixed=None) != choices(2, fixed=None)  # measured: the jitter changes the choices
 
 
 @pytest.mark.parametrize("width", [None, 2], ids=["any-width", "verify-width-2"])
@@ -732,3 +739,29 @@ def test_drafters_after_plain_steps_draft_from_the_committed_text(width):
         assert d.propose(generated, 4, greedy, rng, 40)[0].tolist() == want.tolist(), cls.__name__
         if cls is LookaheadDrafter:
             d.close()
+
+
+def test_plain_steps_catch_up_is_not_charged_to_drafting(monkeypatch):
+    """After plain steps the draft model first reads the tokens it missed: a one-off cost of those
+    steps (stats.catch_up_s), not drafting time, so it does not inflate c nor make the policy's next
+    drafted round look slow (which would keep it on plain steps)."""
+    import time as _time
+
+    from edgespec import adaptive
+
+    class Slow(ToyBackend):
+        def extend(self, ids):
+            if len(ids) > 2:
+                _time.sleep(0.002 * len(ids))   # reading many tokens at once: only a catch-up does
+            return super().extend(ids)
+
+    target, _ = toy_pair(vocab_size=30, order=2, seed=4, max_length=300)
+    draft = Slow(ToyLM(30, 2, seed=5), 300)
+    turn = iter([True] * 3 + ([False] * 12 + [True]) * 20)
+    monkeypatch.setattr(adaptive.AdaptiveGamma, "draft_next", lambda self: next(turn, True))
+    c = cfg(max_new_tokens=120, gamma=None, max_gamma=3, sampling=GREEDY)
+    res = generate(target, [1, 2], c, np.random.default_rng(0), draft=draft)
+    assert res.tokens == generate(target, [1, 2], c, np.random.default_rng(0)).tokens
+    st = res.stats
+    assert st.plain_steps >= 60 and st.catch_up_s > 0.05
+    assert st.draft_s < st.catch_up_s / 5, (st.draft_s, st.catch_up_s)

@@ -131,36 +131,51 @@ def test_adaptive_gamma_is_exact():
     assert_matches_target(target, outs, sampling, "adaptive gamma")
 
 
-class _CoinPolicy(AdaptiveGamma):
-    """Drafts a round or takes a plain step by a coin of its own (independent of the run's tokens
-    and uniforms, as the real policy's choice depends only on earlier rounds), so that rounds follow
-    plain steps at every position: the draft then catches up on tokens it never saw."""
+class _Counting(AdaptiveGamma):
+    """The adaptive policy, counting its choices between a drafted round and a plain step."""
 
-    def __init__(self, max_gamma: int):
-        super().__init__(max_gamma, fixed_costs=(0.1, 0.1))
-        self._coin = np.random.default_rng(99)
+    def __init__(self, max_gamma: int, fixed_costs: tuple[float, float]):
+        super().__init__(max_gamma, fixed_costs=fixed_costs)
         self.plain = self.drafted = 0
 
     def draft_next(self) -> bool:
-        if self._coin.random() < 0.5:
-            self.drafted += 1
-            return True
-        self.plain += 1
-        return False
+        drafted = self._choose()
+        self.drafted += drafted
+        self.plain += not drafted
+        return drafted
+
+    def _choose(self) -> bool:
+        return super().draft_next()
 
 
-@pytest.mark.parametrize("drafter", ["model", "lookahead"])
-def test_plain_steps_between_rounds_are_exact(drafter):
+class _Coin(_Counting):
+    """Drafts a round or takes a plain step by a coin of its own (independent of the run's tokens
+    and uniforms, as the real choice depends only on earlier rounds): rounds follow plain steps at
+    every position."""
+
+    def __init__(self, max_gamma: int, fixed_costs: tuple[float, float]):
+        super().__init__(max_gamma, fixed_costs)
+        self._coin = np.random.default_rng(99)
+
+    def _choose(self) -> bool:
+        return bool(self._coin.random() < 0.5)
+
+
+@pytest.mark.parametrize("drafter,policy_cls", [("model", _Counting), ("lookahead", _Coin)],
+                         ids=["model-policy", "lookahead-coin"])
+def test_plain_steps_between_rounds_are_exact(drafter, policy_cls):
     """The adaptive policy may take plain target steps where those are faster (gamma = 0 in
     Theorem 3.8's objective); rounds after them draft from a draft model that missed those
-    tokens (the lookahead drafter's drafts made during the last verify assumed none came)."""
+    tokens (the lookahead drafter's drafts made during the last verify assumed none came). One
+    policy for all samples, priced so that it takes both (a draft step 0.2 of a target step, each
+    extra verified token 0.3), or a coin."""
     sampling = SamplingConfig(1.0)
     factory = _shared(LookaheadDrafter) if drafter == "lookahead" else ModelDrafter
-    policy = _CoinPolicy(2)
+    policy = policy_cls(2, fixed_costs=(0.2, 0.3))
     target, outs, _, kinds = sample_outputs(2, sampling, N_SAMPLES, factory, seed=15, adaptive=True, length=7,
                                             policy=policy)
     assert {"accepted", "recovered", "bonus", "target"} <= kinds
-    assert policy.plain > N_SAMPLES and policy.drafted > N_SAMPLES
+    assert policy.plain > N_SAMPLES and policy.drafted > N_SAMPLES, (policy.plain, policy.drafted)
     assert_matches_target(target, outs, sampling, f"plain steps between rounds ({drafter})")
 
 

@@ -171,6 +171,7 @@ class _Width:
 
     def extend(self, ids):
         assert len(ids) <= self.verify_width, f"{len(ids)} tokens > verify width {self.verify_width}"
+        self.widest = max(getattr(self, "widest", 0), len(ids))
         return self._inner.extend(ids)
 
 
@@ -201,6 +202,7 @@ def test_plain_steps_between_rounds_keep_greedy_output(tiny_bundle, monkeypatch,
         out = eng.generate(PROMPT, max_new_tokens=40, temperature=0, drafter=drafter)
         assert out.ids == plain.ids, drafter
         assert out.stats.plain_steps >= 5 and out.stats.rounds >= 3, (drafter, out.stats)
+    assert eng.draft.widest == 4  # the draft read missed tokens in calls as wide as allowed (rounds feed 1-2)
     eng.close()
 
 
