@@ -44,6 +44,7 @@ _MIN_EVIDENCE = 8      # timed drafted rounds before plain steps are considered 
 _REMEASURE = 64
 _EXPLORE, _EXPLORE_MAX = 16, 128
 _EXPLORE_FORGET = 0.7  # such a round weighs more: the rounds before it are older news
+_COLD_PLAIN = 2        # plain steps after a drafted round that are not timed (see AdaptiveGamma._last)
 
 
 class _LinearTime:
@@ -139,13 +140,19 @@ class AdaptiveGamma:
         self._since_plain = 0         # drafted rounds since a plain step was timed
         self._plain_run = 0           # plain steps taken since the last drafted round
         self._explore = _EXPLORE      # plain steps before the next drafted round, while plain steps win
-        self._exploring = False       # this round was drafted only to look again (plain steps were faster)
+        self._exploring = False       # drafting only to look again (plain steps were faster), until a round is timed
+        # The first plain steps after a drafted round, and the first round after a plain step, run
+        # cold: a call of another shape (ONNX Runtime plans its buffers again), the other model's
+        # data in the caches. On the quick pair the first such plain step took 0.9-1.1 ms, the next
+        # one still more than those of a long run of them (0.45-0.65 ms). They are not timed, so
+        # that each mode is priced at what it costs while it lasts.
+        self._last: tuple[str, int] = ("", 0)  # ("draft" or "plain", how many in a row)
 
     # ---------------------------------------------------------------- draft or not
     def draft_next(self) -> bool:
         """Draft this round (True), or take a plain target step (False) because plain steps have
         been committing tokens faster than drafted rounds."""
-        if self._rounds < self._untimed + _MIN_EVIDENCE or self._spec[1] <= 0:
+        if self._rounds < self._untimed + _MIN_EVIDENCE or self._spec[1] <= 0 or self._exploring:
             return True
         spec_rate = self._spec[0] / self._spec[1]        # tokens per second of drafted rounds
         plain_s, measured = self._plain_seconds()
@@ -154,7 +161,7 @@ class AdaptiveGamma:
         if spec_rate * plain_s > 1.0:                      # drafting wins, but not by much
             if measured and (self._fixed is not None or self._since_plain < _REMEASURE):
                 return self._drafting()
-            return False                                  # time a plain step (an estimate, or an old one)
+            return False  # time a plain step (an estimate, or an old one): the first ones run cold
         self._plain_run += 1
         if self._plain_run <= self._explore:
             return False
@@ -175,6 +182,10 @@ class AdaptiveGamma:
 
     def record_plain(self, seconds: float) -> None:
         """Learn from a plain target step (no drafts): its time, sampling included."""
+        n = self._last[1] + 1 if self._last[0] == "plain" else 1
+        self._last = ("plain", n)
+        if n <= _COLD_PLAIN:  # cold (see _last)
+            return
         self._plain *= _PLAIN_FORGET
         self._plain += (1.0, seconds)
         self._since_plain = 0
@@ -225,11 +236,13 @@ class AdaptiveGamma:
             b = min(int(confidences[j] * _BINS), _BINS - 1)
             self._seen[b] += 1.0
             self._kept[b] += float(j < n_accepted)
+        switched = False
         if g:
             self._rounds += 1
+            switched, self._last = self._last[0] == "plain", ("draft", 1)
         else:                                # the drafter had nothing to propose: a plain step
             self.record_plain(draft_s + target_s)
-        if self._rounds <= self._untimed:    # warm-up rounds (see _UNTIMED_ROUNDS)
+        if self._rounds <= self._untimed or switched:  # warm-up rounds (see _UNTIMED_ROUNDS), or cold (_last)
             return
         if g:
             self._draft_time.add(g, draft_s)

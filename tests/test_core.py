@@ -668,7 +668,7 @@ def test_adaptive_policy_takes_plain_steps_where_drafting_is_slower():
     assert runs[0] == 16 and max(runs) == 128 and np.median(runs) >= 64, runs
     easy = _modelled_run(pol, 600, keep=0.95, verify_slope=0.5, rng=rng)   # the text gets easy
     assert easy[:300].count(0) < 200 and easy[-300:].count(0) <= 6, _plain_runs(easy)
-    assert np.mean(easy[-300:]) > 2.5                        # drafting again, several tokens a round
+    assert np.mean(easy[-300:]) > 2                          # drafting again, several tokens a round
 
 
 def test_adaptive_policy_never_takes_plain_steps_where_drafting_clearly_wins():
@@ -681,13 +681,14 @@ def test_adaptive_policy_never_takes_plain_steps_where_drafting_clearly_wins():
 
 
 def test_adaptive_policy_times_plain_steps_where_drafting_wins_narrowly():
-    """Drafting a little faster than plain steps (about 1.15x): a plain step is timed, then one
-    again after 64 drafted rounds; the policy keeps drafting in between."""
+    """Drafting a little faster than plain steps (about 1.15x): plain steps are timed, then again
+    after 64 drafted rounds, three at a time (the first two after a drafted round run cold and are
+    not timed); the policy keeps drafting in between."""
     from edgespec.adaptive import AdaptiveGamma
 
     choices = _modelled_run(AdaptiveGamma(8), 800, keep=0.6, verify_slope=0.25, rng=np.random.default_rng(2))
     plain = [i for i, g in enumerate(choices) if g == 0]
-    assert 5 <= len(plain) <= 20, plain
+    assert set(_plain_runs(choices)) == {3} and 5 <= len(plain) // 3 <= 15, plain
     assert all(b - a > 60 for a, b in zip(plain, plain[1:]) if b - a > 1), plain
 
 
@@ -765,3 +766,30 @@ def test_plain_steps_catch_up_is_not_charged_to_drafting(monkeypatch):
     st = res.stats
     assert st.plain_steps >= 60 and st.catch_up_s > 0.05
     assert st.draft_s < st.catch_up_s / 5, (st.draft_s, st.catch_up_s)
+
+
+def test_adaptive_policy_does_not_time_the_cold_step_after_switching():
+    """The first plain step after a drafted round, and the first round after a plain step, run cold
+    (another call shape, the other model's data in the caches: 1.1 ms against 0.45 ms for a plain
+    step of the quick pair in a run of them); timed, a plain step looks dearer than it is while
+    drafting, and the policy keeps drafting where plain steps are faster."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    pol = AdaptiveGamma(8)
+    rng = np.random.default_rng(5)
+    last = None
+    for _ in range(400):                      # drafting 0.9 tokens per plain-step time (slower)
+        if pol.draft_next():
+            pol.start_round()
+            g = 1
+            while g < 8 and pol.keep_going(g, 0.5):
+                g += 1
+            kept = int(rng.integers(0, g + 1) if rng.random() < 0.5 else 0)
+            cold = 2.0 if last == "plain" else 1.0
+            pol.update(np.full(g, 0.5), kept, cold * 0.0001 * g, cold * 0.001 * (1 + 0.6 * g))
+            last = "draft"
+        else:
+            pol.record_plain(0.001 * (2.5 if last == "draft" else 1.0))
+            last = "plain"
+    assert pol._plain[1] / pol._plain[0] == pytest.approx(0.001)  # the warm plain steps only
+    assert pol._last[0] == "plain" and pol._explore > 16             # on plain steps, exploring less often
