@@ -57,9 +57,10 @@ class ModelDrafter:
         if feed.shape[0] > 2:  # tokens of plain steps: read before drafting, timed apart (a one-off cost)
             t0 = time.perf_counter()
             width = getattr(self.backend, "verify_width", None) or feed.shape[0]  # XLA: at most this many per call
-            while feed.shape[0] > 1:
-                self.backend.extend(feed[:min(width, feed.shape[0] - 1)])
-                feed = feed[min(width, feed.shape[0] - 1):]
+            while feed.shape[0] > 1:  # the last one is fed with the first draft
+                n = min(width, feed.shape[0] - 1)
+                self.backend.extend(feed[:n])
+                feed = feed[n:]
             self.catch_up_s += time.perf_counter() - t0
         return self._draft(feed, gamma, sampling, rng.random, vocab, keep_going)
 

@@ -268,7 +268,8 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
         return block, None
 
     # Prefill the target; the first token comes from its prefill logits (a plain step). The draft
-    # is prefilled after that token is out: the first token costs what it costs without a draft.
+    # is prefilled at the first drafted round, after that token is out: the first token costs what it
+    # costs without a draft (and a call the adaptive policy runs on plain steps only never needs it).
     t0 = time.perf_counter()
     logits = target.prefill(prompt)[None, :vocab]                                 # [1, V]
     stats.prefill_s = time.perf_counter() - t0

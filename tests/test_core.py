@@ -612,11 +612,12 @@ def test_adaptive_with_fixed_costs_ignores_timings():
     assert measured._fixed is None
 
 
-def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0.1, jitter=None):
+def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0.1, jitter=None, cold=(1.0, 1.0)):
     """Drive a policy as the loop does over a modelled pair: a plain step costs ``step``, a verify
     call of g + 1 tokens step * (1 + verify_slope * g), a draft step draft_c * step; each draft is
     kept with probability ``keep``; ``jitter`` (a Generator) scales each measured time by a random
-    factor in [0.5, 1.5). Returns the drafts per round (0: a plain step)."""
+    factor in [0.5, 1.5); ``cold`` scales the first plain step after a round and the first round
+    after a plain step. Returns the drafts per round (0: a plain step)."""
     out = []
 
     def noisy(t):
@@ -624,7 +625,7 @@ def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0
 
     for _ in range(rounds):
         if not policy.draft_next():
-            policy.record_plain(noisy(step))
+            policy.record_plain(noisy(step) * (cold[0] if out and out[-1] > 0 else 1.0))
             out.append(0)
             continue
         policy.start_round()
@@ -634,7 +635,8 @@ def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0
         kept = 0
         while kept < g and rng.random() < keep:
             kept += 1
-        policy.update(np.full(g, 0.5), kept, noisy(draft_c * step * g), noisy(step * (1 + verify_slope * g)))
+        c = cold[1] if out and out[-1] == 0 else 1.0
+        policy.update(np.full(g, 0.5), kept, c * noisy(draft_c * step * g), c * noisy(step * (1 + verify_slope * g)))
         out.append(g)
     return out
 
@@ -776,20 +778,6 @@ def test_adaptive_policy_does_not_time_the_cold_step_after_switching():
     from edgespec.adaptive import AdaptiveGamma
 
     pol = AdaptiveGamma(8)
-    rng = np.random.default_rng(5)
-    last = None
-    for _ in range(400):                      # drafting 0.9 tokens per plain-step time (slower)
-        if pol.draft_next():
-            pol.start_round()
-            g = 1
-            while g < 8 and pol.keep_going(g, 0.5):
-                g += 1
-            kept = int(rng.integers(0, g + 1) if rng.random() < 0.5 else 0)
-            cold = 2.0 if last == "plain" else 1.0
-            pol.update(np.full(g, 0.5), kept, cold * 0.0001 * g, cold * 0.001 * (1 + 0.6 * g))
-            last = "draft"
-        else:
-            pol.record_plain(0.001 * (2.5 if last == "draft" else 1.0))
-            last = "plain"
+    _modelled_run(pol, 400, keep=0.3, verify_slope=0.6, rng=np.random.default_rng(5), cold=(2.5, 2.0))  # drafting slower
     assert pol._plain[1] / pol._plain[0] == pytest.approx(0.001)  # the warm plain steps only
     assert pol._last[0] == "plain" and pol._explore > 16             # on plain steps, exploring less often
