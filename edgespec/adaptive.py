@@ -33,18 +33,24 @@ _FORGET_TIME = 0.98  # per-round decay of the time fits (draft and target)
 _UNTIMED_ROUNDS = 2
 _SPEC_FORGET = 0.95   # per drafted round: the decay of its (tokens, seconds) sums (about the last 20 rounds)
 _PLAIN_FORGET = 0.9   # per plain step: the decay of the plain step time's sums (about the last 10 steps)
-# A plain step's time is measured only where it matters: drafted rounds clearly faster than the
-# estimate from the verify widths (below) need no check; closer than that, one plain step is timed
-# now and then (every _REMEASURE rounds). While plain steps are faster, a round is drafted anyway
-# after _EXPLORE plain steps, so that a change (text that gets easier, a host that gets busier) is
-# seen: after twice as many when that round lost to a plain step (up to _EXPLORE_MAX), after half
-# as many when it won.
+# A plain step's time is measured by a probe: _PROBE timed plain steps (after the _COLD_PLAIN cold
+# ones), once after the first drafted rounds, then again every _REMEASURE rounds while drafting wins
+# by less than _CLEAR_WIN (a clear win needs no new check). It is not estimated from the verify
+# calls: a line through widths 2..9 put a 1-token call of the quick pair 35% above its measured time,
+# and the policy then drafted where plain steps were faster. While plain steps are faster, a round is
+# drafted anyway after _EXPLORE plain steps, so that a change (text that gets easier, a host that
+# gets busier) is seen: a trial of up to _TRIAL rounds, ended by the first point where the trial's
+# rounds together lose to plain steps (then the wait doubles, up to _EXPLORE_MAX); a trial whose
+# rounds all win together replaces what the policy knew of drafted rounds (the text changed). One
+# round decides little at T > 0: where drafting lost by a quarter on the quick pair, about a third
+# of single rounds still beat a plain step.
 _CLEAR_WIN = 1.25
 _MIN_EVIDENCE = 8      # timed drafted rounds before plain steps are considered (one round says little)
 _REMEASURE = 64
 _EXPLORE, _EXPLORE_MAX = 16, 128
-_EXPLORE_FORGET = 0.7  # such a round weighs more: the rounds before it are older news
-_COLD_PLAIN = 2        # plain steps after a drafted round that are not timed (see AdaptiveGamma._last)
+_TRIAL = 4
+_COLD_PLAIN = 6        # plain steps after a drafted round that are not timed (see AdaptiveGamma._last)
+_PROBE = 4             # timed plain steps of a probe
 
 
 class _LinearTime:
@@ -138,14 +144,17 @@ class AdaptiveGamma:
         self._spec = np.zeros(2)      # decayed (tokens, seconds) of timed drafted rounds
         self._plain = np.zeros(2)     # decayed (steps, seconds) of plain steps
         self._since_plain = 0         # drafted rounds since a plain step was timed
+        self._probe = 0               # timed plain steps still to take for a probe
         self._plain_run = 0           # plain steps taken since the last drafted round
         self._explore = _EXPLORE      # plain steps before the next drafted round, while plain steps win
-        self._exploring = False       # drafting only to look again (plain steps were faster), until a round is timed
+        self._exploring = False       # drafting a trial: plain steps were faster, look again (see _TRIAL)
+        self._trial = np.zeros(3)     # the trial's (tokens, seconds, timed rounds)
         # The first plain steps after a drafted round, and the first round after a plain step, run
         # cold: a call of another shape (ONNX Runtime plans its buffers again), the other model's
-        # data in the caches. On the quick pair the first such plain step took 0.9-1.1 ms, the next
-        # one still more than those of a long run of them (0.45-0.65 ms). They are not timed, so
-        # that each mode is priced at what it costs while it lasts.
+        # data in the caches. On the quick pair (AMD EPYC, 1 thread), plain steps after a round took
+        # 0.57, 0.54, 0.52, 0.48, 0.47, 0.47 ms (medians of the 1st to 6th), then 0.44 and, after a
+        # dozen, 0.42. They are not timed, so that each mode is priced at what it costs while it
+        # lasts: timed, they made drafting look as fast as plain steps where it was 15% slower.
         self._last: tuple[str, int] = ("", 0)  # ("draft" or "plain", how many in a row)
 
     # ---------------------------------------------------------------- draft or not
@@ -154,31 +163,50 @@ class AdaptiveGamma:
         been committing tokens faster than drafted rounds."""
         if self._rounds < self._untimed + _MIN_EVIDENCE or self._spec[1] <= 0 or self._exploring:
             return True
-        spec_rate = self._spec[0] / self._spec[1]        # tokens per second of drafted rounds
-        plain_s, measured = self._plain_seconds()
-        if spec_rate * plain_s >= _CLEAR_WIN:
+        if self._probe > 0:
+            return False                                  # timing plain steps (record_plain counts them)
+        if self._fixed is not None:
+            ratio = self._spec[0] / self._spec[1]          # tokens per target step; a plain step makes 1
+        elif self._plain[0] > 0:
+            ratio = self._spec[0] / self._spec[1] * self._plain[1] / self._plain[0]
+        else:                                             # never measured: probe
+            self._probe = _PROBE
+            return False
+        if ratio >= _CLEAR_WIN:
             return self._drafting()
-        if spec_rate * plain_s > 1.0:                      # drafting wins, but not by much
-            if measured and (self._fixed is not None or self._since_plain < _REMEASURE):
-                return self._drafting()
-            return False  # time a plain step (an estimate, or an old one): the first ones run cold
+        if ratio > 1.0:                                   # drafting wins, but not by much: check now and then
+            if self._fixed is None and self._since_plain >= _REMEASURE:
+                self._probe = _PROBE
+                self._plain[:] = 0.0                      # a fresh estimate: the host's speed may have changed
+                return False
+            return self._drafting()
         self._plain_run += 1
         if self._plain_run <= self._explore:
             return False
         self._plain_run, self._exploring = 0, True
         return True                                       # a drafted round to see whether that changed
 
-    def _plain_seconds(self) -> tuple[float, bool]:
-        """A plain step's time and whether it was measured (not estimated from the verify widths)."""
-        if self._fixed is not None:
-            return 1.0, True                              # the unit: one target step
-        if self._plain[0] > 0:
-            return float(self._plain[1] / self._plain[0]), True
-        return self._target_time(1), False               # a 1-token call on the verify widths' line
+    def _plain_seconds(self) -> float:
+        """A plain step's time (target steps with fixed costs); call once one is measured."""
+        return 1.0 if self._fixed is not None else float(self._plain[1] / self._plain[0])
 
     def _drafting(self) -> bool:
         self._plain_run, self._explore, self._exploring = 0, _EXPLORE, False
         return True
+
+    def _end_trial(self, tokens: float, seconds: float) -> None:
+        """A timed round of a trial (see _TRIAL): go on, or decide, and end it."""
+        self._trial += (tokens, seconds, 1.0)
+        ahead = self._trial[0] * self._plain_seconds() > self._trial[1]
+        if ahead and self._trial[2] < _TRIAL:
+            return                                        # winning so far: one more round
+        if ahead:                                         # drafting wins again: start from the trial's rounds
+            self._spec[:] = self._trial[:2]
+            self._explore = max(_EXPLORE, self._explore // 2)
+        else:
+            self._explore = min(2 * self._explore, _EXPLORE_MAX)
+        self._exploring = False
+        self._trial[:] = 0.0
 
     def record_plain(self, seconds: float) -> None:
         """Learn from a plain target step (no drafts): its time, sampling included."""
@@ -189,6 +217,7 @@ class AdaptiveGamma:
         self._plain *= _PLAIN_FORGET
         self._plain += (1.0, seconds)
         self._since_plain = 0
+        self._probe = max(0, self._probe - 1)
 
     # ---------------------------------------------------------------- predictions
     def _keep_prob(self, confidence: float) -> float:
@@ -227,15 +256,29 @@ class AdaptiveGamma:
         spent = d_i + t_i
         return gain * spent > self._expected * cost
 
-    def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float) -> None:
-        """Learn from a finished round: which drafts were examined and kept, and the timings."""
+    def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float,
+               keep: np.ndarray | None = None) -> None:
+        """Learn from a finished round: which drafts were examined and kept, and the timings.
+        ``keep`` [g]: the test's probability of keeping each draft once the ones before it are
+        kept (``Verdict.keep``); with it the policy learns the round's expected outcome instead of
+        the one its uniforms drew (n_accepted)."""
         g = confidences.shape[0]
+        if keep is None:  # the drawn outcome: the first n kept, the next one rejected
+            keep = (np.arange(g) < n_accepted).astype(np.float64)                  # [g]
+        # Draft j is examined iff every draft before it is kept: probability prod_{i < j} keep_i.
+        # Crediting each bin with that probability (seen) and with it times keep_j (kept) is the
+        # expectation of counting the examined drafts and the kept ones over the test's uniforms:
+        # the same estimate on average, without the coin flips' noise (at T = 1 a round's count of
+        # kept drafts varies more than its mean). At greedy keep is 1 or 0 and the two coincide.
+        reach = np.cumprod(np.concatenate(([1.0], keep[:-1])))[:g]                 # [g] P(draft j examined)
         self._kept *= _FORGET
         self._seen *= _FORGET
-        for j in range(min(n_accepted + 1, g)):   # drafts after the first rejection were not examined
-            b = min(int(confidences[j] * _BINS), _BINS - 1)
-            self._seen[b] += 1.0
-            self._kept[b] += float(j < n_accepted)
+        for j in range(g):
+            if reach[j] > 0.0:
+                b = min(int(confidences[j] * _BINS), _BINS - 1)
+                self._seen[b] += reach[j]
+                self._kept[b] += reach[j] * keep[j]
+        tokens = 1.0 + float((reach * keep).sum())    # expected tokens committed (kept drafts + 1)
         switched = False
         if g:
             self._rounds += 1
@@ -251,11 +294,9 @@ class AdaptiveGamma:
                 seconds = c * g + 1.0 + slope * g
             else:
                 seconds = draft_s + target_s
-            self._spec *= _EXPLORE_FORGET if self._exploring else _SPEC_FORGET
-            self._spec += (n_accepted + 1.0, seconds)
+            self._spec *= _SPEC_FORGET
+            self._spec += (tokens, seconds)
             self._since_plain += 1
-            if self._exploring:  # look again sooner after a round that beat a plain step, later otherwise
-                won = (n_accepted + 1.0) * self._plain_seconds()[0] > seconds
-                self._explore = max(_EXPLORE, self._explore // 2) if won else min(2 * self._explore, _EXPLORE_MAX)
-                self._exploring = False
+            if self._exploring:
+                self._end_trial(tokens, seconds)
         self._target_time.add(g + 1, target_s)

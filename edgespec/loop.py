@@ -193,7 +193,7 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     stats.target_s += t2 - t1
     stats.sample_s += t3 - t2 - waited
     if policy is not None:  # the verify side of a round: the target call and the acceptance test
-        policy.update(conf, n, t1 - t0, t3 - t1)
+        policy.update(conf, n, t1 - t0, t3 - t1, verdict.keep)
     tokens = [int(t) for t in x[:n]] + [verdict.token]
     if g == 0:  # the drafter had nothing to propose: this was a plain target step
         stats.plain_steps += 1

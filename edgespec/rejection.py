@@ -22,11 +22,15 @@ from .sampling import sample_index
 ACCEPTED, RECOVERED, BONUS, TARGET = "accepted", "recovered", "bonus", "target"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Verdict:
     n_accepted: int   # leading drafts kept, 0..g
     token: int        # the recovered token (n < g) or the bonus token (n == g)
     kind: str         # RECOVERED or BONUS
+    # [g] the test's probability of keeping each draft once the ones before it are kept,
+    # min(1, p_i(x_i) / (l q_i(x_i))) (1 or 0 at greedy); None where not computed. The expected
+    # number kept is sum_j prod_{i <= j} keep_i, of which n_accepted is one draw.
+    keep: np.ndarray | None = None
 
 
 def speculative_sample(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
@@ -47,20 +51,21 @@ def speculative_sample(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
     r = rng.random(g)                                             # [g] r_i ~ U[0, 1)
     # r < p / (l q) without dividing: q(x) > 0 since x was drawn from q; p(x) = 0 never keeps.
     keep = r * (lenience * qx) < px                               # [g]
+    keep_p = np.minimum(1.0, px / np.maximum(lenience * qx, 1e-300))  # [g] P(keep x_i | x_<i kept)
     n = g if keep.all() else int(np.argmin(keep))
     if n < g:
-        return Verdict(n, _recover(p[n], q[n], lenience, rng), RECOVERED)
+        return Verdict(n, _recover(p[n], q[n], lenience, rng), RECOVERED, keep_p)
     extra = next_draft() if next_draft is not None else None
     if extra is None:
-        return Verdict(n, sample_index(p[g], rng.random()), BONUS)
+        return Verdict(n, sample_index(p[g], rng.random()), BONUS, keep_p)
     # A one-position round on the bonus: keep y with probability min(1, p(y) / (l q(y))), else draw
     # from norm(max(0, p - l q)); at l = 1 the token is distributed as p_{g+1}, like the direct draw
     # (Appendix A.1 with gamma = 1), and it is y as often as beta allows, which is what lets a
     # LookaheadDrafter reuse the drafts it made after y.
     y, qy = extra                                                 # int, [V]
     if rng.random() * (lenience * qy[y]) < p[g, y]:
-        return Verdict(n, int(y), BONUS)
-    return Verdict(n, _recover(p[g], qy, lenience, rng), BONUS)
+        return Verdict(n, int(y), BONUS, keep_p)
+    return Verdict(n, _recover(p[g], qy, lenience, rng), BONUS, keep_p)
 
 
 def _recover(p: np.ndarray, q: np.ndarray, lenience: float, rng: np.random.Generator) -> int:
@@ -85,7 +90,8 @@ def greedy_verdict(draft_ids: np.ndarray, target_ids: np.ndarray) -> Verdict:
     g, n = len(xs), 0
     while n < g and xs[n] == ts[n]:
         n += 1
-    return Verdict(n, int(ts[n]), BONUS if n == g else RECOVERED)
+    keep = np.equal(draft_ids, target_ids[:g]).astype(np.float64)  # [g] 1 where the draft is the target's argmax
+    return Verdict(n, int(ts[n]), BONUS if n == g else RECOVERED, keep)
 
 
 def overlap(p: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -264,6 +264,7 @@ def test_greedy_verdict_is_speculative_sample_with_one_hot_p(lenience):
         ref = speculative_sample(draft_ids, q, p, rng, lenience)
         fast = greedy_verdict(draft_ids, target_ids)
         assert (fast.n_accepted, fast.token, fast.kind) == (ref.n_accepted, ref.token, ref.kind)
+        np.testing.assert_array_equal(fast.keep, ref.keep)  # the test's keep probabilities: 1 or 0
     v = greedy_verdict(np.array([1, 2]), np.array([1, 2, 0]))
     assert (v.n_accepted, v.token, v.kind) == (2, 0, BONUS)
     v = greedy_verdict(np.array([1, 2]), np.array([1, 3, 0]))
@@ -612,12 +613,14 @@ def test_adaptive_with_fixed_costs_ignores_timings():
     assert measured._fixed is None
 
 
-def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0.1, jitter=None, cold=(1.0, 1.0)):
+def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0.1, jitter=None, cold=(1.0, 1.0),
+                  expected=False):
     """Drive a policy as the loop does over a modelled pair: a plain step costs ``step``, a verify
     call of g + 1 tokens step * (1 + verify_slope * g), a draft step draft_c * step; each draft is
     kept with probability ``keep``; ``jitter`` (a Generator) scales each measured time by a random
     factor in [0.5, 1.5); ``cold`` scales the first plain step after a round and the first round
-    after a plain step. Returns the drafts per round (0: a plain step)."""
+    after a plain step; ``expected``: the policy also gets the keep probabilities (Verdict.keep),
+    as from the loop at T > 0. Returns the drafts per round (0: a plain step)."""
     out = []
 
     def noisy(t):
@@ -636,7 +639,8 @@ def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0
         while kept < g and rng.random() < keep:
             kept += 1
         c = cold[1] if out and out[-1] == 0 else 1.0
-        policy.update(np.full(g, 0.5), kept, c * noisy(draft_c * step * g), c * noisy(step * (1 + verify_slope * g)))
+        policy.update(np.full(g, 0.5), kept, c * noisy(draft_c * step * g), c * noisy(step * (1 + verify_slope * g)),
+                      np.full(g, keep) if expected else None)
         out.append(g)
     return out
 
@@ -667,30 +671,90 @@ def test_adaptive_policy_takes_plain_steps_where_drafting_is_slower():
     assert 0 not in slow[:10]                                # warm-up and evidence: drafted rounds
     assert slow[500:].count(0) > 0.98 * len(slow[500:])      # then plain steps, almost only
     runs = _plain_runs(slow)
-    assert runs[0] == 16 and max(runs) == 128 and np.median(runs) >= 64, runs
+    assert runs[0] == 10 + 16 and max(runs) == 128 and np.median(runs) >= 64, runs  # a probe of 10, then 16
     easy = _modelled_run(pol, 600, keep=0.95, verify_slope=0.5, rng=rng)   # the text gets easy
-    assert easy[:300].count(0) < 200 and easy[-300:].count(0) <= 6, _plain_runs(easy)
+    assert easy[:300].count(0) < 200 and easy[-300:].count(0) <= 30, _plain_runs(easy)  # probes of 10, every 64 rounds
     assert np.mean(easy[-300:]) > 2                          # drafting again, several tokens a round
 
 
+def test_adaptive_policy_learns_expected_outcomes_not_the_coin_flips():
+    """Given the test's keep probabilities (Verdict.keep), a round counts its expected kept drafts,
+    not the number its uniforms happened to keep. Where drafting loses, a lucky round (every draft
+    kept) then no longer passes for a win that halves the wait before the next look: the waits
+    double to 128 and stay there. Counting the draws, lucky rounds cut them short."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    def runs(expected):
+        pol = AdaptiveGamma(8)
+        choices = _modelled_run(pol, 3000, keep=0.45, verify_slope=0.5, rng=np.random.default_rng(7), expected=expected)
+        return _plain_runs(choices), pol
+
+    drawn, _ = runs(False)
+    smooth, pol = runs(True)
+    assert smooth[:4] == [10 + 16, 32, 64, 128] and set(smooth[4:]) == {128}, smooth
+    assert min(drawn[4:]) < 128, drawn                      # the coin flips' false wins
+    # The keep table holds the expectation: every examined draft of confidence 0.5 kept with 0.45.
+    assert pol._kept[5] / pol._seen[5] == pytest.approx(0.45, abs=0.02)
+
+
+def test_verdict_keep_is_the_tests_keep_probability():
+    """Verdict.keep [g] is min(1, p(x) / (l q(x))) per draft, computed for every draft, also after
+    the first rejection (the probability of passing once the drafts before pass)."""
+    q = np.array([[0.5, 0.5, 0.0], [0.2, 0.8, 0.0], [0.1, 0.1, 0.8]])
+    p = np.array([[0.25, 0.75, 0.0], [0.9, 0.1, 0.0], [0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])
+    x = np.array([0, 1, 2])
+    v = speculative_sample(x, q, p, np.random.default_rng(0), lenience=0.5)
+    np.testing.assert_allclose(v.keep, [1.0, 0.25, 1.0])    # 0.25 / 0.25, 0.1 / 0.4, 0.5 / 0.4 (capped)
+    v = speculative_sample(x, q, p, np.random.default_rng(0))
+    np.testing.assert_allclose(v.keep, [0.5, 0.125, 0.625])
+
+
 def test_adaptive_policy_never_takes_plain_steps_where_drafting_clearly_wins():
-    """Drafted rounds 25% or more faster than the plain step estimated from the verify widths: no
-    plain step is ever taken to check (a check costs a round's worth of tokens)."""
+    """Drafted rounds 25% or more faster than plain steps: after one probe that times plain steps
+    (10: six cold, four timed) following the first drafted rounds, no plain step is ever taken to
+    check again (a check costs a round's worth of tokens)."""
     from edgespec.adaptive import AdaptiveGamma
 
     choices = _modelled_run(AdaptiveGamma(8), 800, keep=0.85, verify_slope=0.1, rng=np.random.default_rng(1))
-    assert 0 not in choices
+    assert _plain_runs(choices) == [10] and choices.index(0) == 10
+
+
+def test_adaptive_policy_measures_plain_steps_instead_of_extrapolating():
+    """The verify calls' line through widths 2..9 can put a 1-token call far above a plain step's
+    real time (a small target's cost grows faster from 1 to 2 tokens than beyond). The policy times
+    plain steps instead of trusting that line: here plain steps are faster and it takes them, though
+    the line says drafting wins by more than 25%."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    pol = AdaptiveGamma(8)
+    rng = np.random.default_rng(3)
+    out = []
+    for _ in range(400):   # a plain step: 1 ms; a verify of k >= 2 tokens: 1.8 ms + 0.1 ms per token beyond 2
+        if not pol.draft_next():
+            pol.record_plain(0.001)
+            out.append(0)
+            continue
+        pol.start_round()
+        g = 1
+        while g < pol.max_gamma and pol.keep_going(g, 0.5):
+            g += 1
+        kept = int(np.argmin(rng.random(g + 1) < 0.5))   # each kept with probability 0.5 until the first rejection
+        pol.update(np.full(g, 0.5), kept, 0.00005 * g, 0.0018 + 0.0001 * (g - 1))
+        out.append(g)
+    a, b = pol._target_time.line()
+    assert (a + b) / 0.001 > 1.25                          # the line's 1-token call: over 1.25 ms
+    assert out[200:].count(0) > 0.9 * 200                  # yet plain steps, as they are faster
 
 
 def test_adaptive_policy_times_plain_steps_where_drafting_wins_narrowly():
     """Drafting a little faster than plain steps (about 1.15x): plain steps are timed, then again
-    after 64 drafted rounds, three at a time (the first two after a drafted round run cold and are
+    after 64 drafted rounds, ten at a time (the first six after a drafted round run cold and are
     not timed); the policy keeps drafting in between."""
     from edgespec.adaptive import AdaptiveGamma
 
     choices = _modelled_run(AdaptiveGamma(8), 800, keep=0.6, verify_slope=0.25, rng=np.random.default_rng(2))
     plain = [i for i, g in enumerate(choices) if g == 0]
-    assert set(_plain_runs(choices)) == {3} and 5 <= len(plain) // 3 <= 15, plain
+    assert set(_plain_runs(choices)) == {10} and 5 <= len(plain) // 10 <= 15, plain
     assert all(b - a > 60 for a, b in zip(plain, plain[1:]) if b - a > 1), plain
 
 
