@@ -684,3 +684,31 @@ def _no_draft(mod, tiny_bundle, tmp_path):
     (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
     shutil.rmtree(b / "draft")
     mod.main([str(b), "--max-new-tokens", "4"])
+
+
+def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
+    """benchmarks/policy_ab.py runs the checkout's adaptive policy and another revision's side by
+    side with plain decoding; a revision before Verdict.keep still runs in this loop, and a revision
+    git cannot read is a clear error."""
+    import numpy as np
+
+    from edgespec.adaptive import AdaptiveGamma
+
+    pab = _script("policy_ab")
+
+    class Old(AdaptiveGamma):  # as before Verdict.keep: update() took no keep probabilities
+        def update(self, confidences, n_accepted, draft_s, target_s):
+            self.seen = n_accepted
+            return super().update(confidences, n_accepted, draft_s, target_s)
+
+    pol = pab.adapt(Old)(8)
+    pol.update(np.full(2, 0.5), 1, 0.001, 0.002, np.array([1.0, 0.5]))
+    assert pol.seen == 1 and pab.adapt(AdaptiveGamma) is AdaptiveGamma
+    bundle = str(tiny_bundle("llama"))
+    rows = pab.run(bundle, "HEAD", 1.0, 1, 8)
+    assert len(rows) == 1 and all(rows[0][side]["tokens_per_s"] > 0 for side in ("plain", "this", "other"))
+    assert rows[0]["plain"]["plain_step_share"] == pytest.approx(7 / 8)  # every token but the prefill's
+    assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--temperature", "0"]) == 0
+    assert "this / HEAD: median" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="cannot read edgespec/adaptive.py"):
+        pab.policy_class("no-such-revision")

@@ -1,0 +1,116 @@
+"""Adaptive gamma, this checkout's policy against another revision's, side by side on one bundle.
+
+    python benchmarks/policy_ab.py BUNDLE --against HEAD --temperature 1 --repeats 10
+
+`edgespec bench` compares settings within one policy; a change to the policy itself is compared
+here. Each repeat runs the built-in code prompts three ways back to back: plain decoding, then the
+two policies (the order alternating between repeats), one policy object per side for the whole run
+(as an Engine keeps one). The host's drift then hits all three alike, and the ratio that matters is
+taken repeat by repeat. The other revision's ``edgespec/adaptive.py`` is read with ``git show`` and
+run inside this checkout's loop (its ``update`` gets the loop's arguments it knows). The first
+repeat is a warm-up and is not reported.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def policy_class(revision: str):
+    """AdaptiveGamma as of ``revision`` (a git revision of this repository)."""
+    try:
+        source = subprocess.run(["git", "show", f"{revision}:edgespec/adaptive.py"], cwd=ROOT, check=True,
+                                capture_output=True, text=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SystemExit(f"error: cannot read edgespec/adaptive.py at {revision!r} with git ({exc}); "
+                         "give a revision of this repository, e.g. HEAD or a commit") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"adaptive_{abs(hash(revision))}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return adapt(module.AdaptiveGamma)
+
+
+def adapt(cls):
+    """``cls`` if its update() takes the loop's keep probabilities, else a subclass that drops them
+    (a revision before Verdict.keep learns from the drawn outcome)."""
+    if "keep" in inspect.signature(cls.update).parameters:
+        return cls
+
+    class Before(cls):
+        def update(self, confidences, n_accepted, draft_s, target_s, keep=None):
+            return super().update(confidences, n_accepted, draft_s, target_s)
+
+    return Before
+
+
+def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tokens: int, max_gamma: int = 8):
+    """Per repeat: tokens/s of plain decoding and of both policies, and each policy's plain-step share."""
+    import edgespec
+    from edgespec.adaptive import AdaptiveGamma
+    from edgespec.config import GenerationConfig, SamplingConfig
+    from edgespec.loop import generate
+    from edgespec.prompts import CODE_PROMPTS
+
+    eng = edgespec.load(bundle, threads=1, draft_threads=1)
+    if not eng.has_draft:
+        raise SystemExit(f"error: {bundle} has no draft model; export the bundle with --draft")
+    prompts = [eng.encode(p) for p in CODE_PROMPTS]
+    policies = {"this": AdaptiveGamma(max_gamma), "other": policy_class(against)(max_gamma)}
+    cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=None, max_gamma=max_gamma,
+                           sampling=SamplingConfig(temperature=temperature))
+    rows = []
+    for rep in range(repeats + 1):
+        tally = {k: [0, 0.0, 0] for k in ("plain", "this", "other")}  # tokens, seconds, plain steps
+        order = ("plain", "this", "other") if rep % 2 else ("plain", "other", "this")
+        for i, ids in enumerate(prompts):
+            for side in order:
+                t0 = time.perf_counter()
+                res = generate(eng.target, ids, cfg, np.random.default_rng(1000 * rep + i),
+                               draft=None if side == "plain" else eng.draft, policy=policies.get(side))
+                tally[side][0] += res.stats.emitted
+                tally[side][1] += time.perf_counter() - t0
+                tally[side][2] += res.stats.plain_steps
+        if rep:  # the first repeat warms up
+            rows.append({k: {"tokens_per_s": n / s, "plain_step_share": p / n} for k, (n, s, p) in tally.items()})
+        print(f"[policy_ab] repeat {rep}/{repeats}{' (warm-up)' if rep == 0 else ''}", file=sys.stderr)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("bundle")
+    ap.add_argument("--against", default="HEAD", help="git revision whose adaptive policy is the other side")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.max_new_tokens < 1 or args.temperature < 0:
+        ap.error("--repeats and --max-new-tokens must be >= 1, --temperature >= 0")
+    rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens)
+    ratio = np.array([r["this"]["tokens_per_s"] / r["other"]["tokens_per_s"] for r in rows])
+    print(f"T={args.temperature:g}, {len(rows)} repeats, 8 prompts x {args.max_new_tokens} tokens, 1 thread per model")
+    for side in ("plain", "this", "other"):
+        rates = " ".join(f"{r[side]['tokens_per_s']:.0f}" for r in rows)
+        share = np.median([r[side]["plain_step_share"] for r in rows])
+        print(f"{side:>6}: tok/s {rates}  (plain-step share, median {share:.2f})")
+    over_plain = {s: np.median([r[s]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rows]) for s in ("this", "other")}
+    print(f"this / {args.against}: median {np.median(ratio):.3f} [IQR {np.percentile(ratio, 25):.3f}-"
+          f"{np.percentile(ratio, 75):.3f}]; over plain: this {over_plain['this']:.3f}, {args.against} {over_plain['other']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
