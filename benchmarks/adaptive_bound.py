@@ -158,7 +158,9 @@ class RegimeAdaptive(AdaptiveGamma):
         super().start_round()
         self._regime = int(not self._recent or np.mean(self._recent) >= self._split)
 
-    def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float) -> None:
+    def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float,
+               keep: np.ndarray | None = None) -> None:
+        # Its own table counts the drawn outcome: the replay is greedy, where keep is that outcome.
         self._kept_r *= adaptive._FORGET
         self._seen_r *= adaptive._FORGET
         for j in range(min(n_accepted + 1, confidences.shape[0])):   # the drafts the target examined
@@ -166,7 +168,7 @@ class RegimeAdaptive(AdaptiveGamma):
             self._seen_r[self._regime, b] += 1.0
             self._kept_r[self._regime, b] += float(j < n_accepted)
             self._recent.append(float(j < n_accepted))
-        super().update(confidences, n_accepted, draft_s, target_s)
+        super().update(confidences, n_accepted, draft_s, target_s, keep)
 
 
 # --------------------------------------------------------------------------- better predictors

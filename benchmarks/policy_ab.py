@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.prompts import CODE_PROMPTS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,15 +34,24 @@ def policy_class(revision: str):
         source = subprocess.run(["git", "show", f"{revision}:edgespec/adaptive.py"], cwd=ROOT, check=True,
                                 capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
-        raise SystemExit(f"error: cannot read edgespec/adaptive.py at {revision!r} with git ({exc}); "
-                         "give a revision of this repository, e.g. HEAD or a commit") from None
+        detail = (getattr(exc, "stderr", None) or str(exc)).strip()
+        raise SystemExit(f"error: cannot read edgespec/adaptive.py at {revision!r} with git ({detail}); give a "
+                         "revision of this repository, e.g. HEAD or a commit (a shallow clone may lack it: "
+                         "git fetch --unshallow)") from None
+    if source == (ROOT / "edgespec" / "adaptive.py").read_text():
+        print(f"[policy_ab] note: the policy at {revision!r} is this checkout's: both sides run the same code",
+              file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"adaptive_{abs(hash(revision))}.py"
         path.write_text(source)
         spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    return adapt(module.AdaptiveGamma)
+    cls = module.AdaptiveGamma
+    if not all(hasattr(cls, name) for name in ("draft_next", "record_plain")):
+        raise SystemExit(f"error: the adaptive policy at {revision!r} predates plain steps (draft_next, "
+                         "record_plain: commit 6b7cb21); this loop cannot run it")
+    return adapt(cls)
 
 
 def adapt(cls):
@@ -61,14 +72,18 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
     import edgespec
     from edgespec.adaptive import AdaptiveGamma
     from edgespec.config import GenerationConfig, SamplingConfig
+    from edgespec.errors import EdgeSpecError
     from edgespec.loop import generate
-    from edgespec.prompts import CODE_PROMPTS
 
-    eng = edgespec.load(bundle, threads=1, draft_threads=1)
+    other = policy_class(against)  # first: a bad revision is reported before the bundle loads
+    try:
+        eng = edgespec.load(bundle, threads=1, draft_threads=1)
+    except EdgeSpecError as exc:
+        raise SystemExit(f"error: {exc}") from None
     if not eng.has_draft:
         raise SystemExit(f"error: {bundle} has no draft model; export the bundle with --draft")
     prompts = [eng.encode(p) for p in CODE_PROMPTS]
-    policies = {"this": AdaptiveGamma(max_gamma), "other": policy_class(against)(max_gamma)}
+    policies = {"this": AdaptiveGamma(max_gamma), "other": other(max_gamma)}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=None, max_gamma=max_gamma,
                            sampling=SamplingConfig(temperature=temperature))
     rows = []
@@ -101,7 +116,8 @@ def main(argv=None) -> int:
         ap.error("--repeats and --max-new-tokens must be >= 1, --temperature >= 0")
     rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens)
     ratio = np.array([r["this"]["tokens_per_s"] / r["other"]["tokens_per_s"] for r in rows])
-    print(f"T={args.temperature:g}, {len(rows)} repeats, 8 prompts x {args.max_new_tokens} tokens, 1 thread per model")
+    print(f"T={args.temperature:g}, {len(rows)} repeats, the {len(CODE_PROMPTS)} built-in code prompts x "
+          f"{args.max_new_tokens} tokens, 1 thread per model")
     for side in ("plain", "this", "other"):
         rates = " ".join(f"{r[side]['tokens_per_s']:.0f}" for r in rows)
         share = np.median([r[side]["plain_step_share"] for r in rows])

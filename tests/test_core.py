@@ -614,13 +614,14 @@ def test_adaptive_with_fixed_costs_ignores_timings():
 
 
 def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0.1, jitter=None, cold=(1.0, 1.0),
-                  expected=False):
+                  expected=False, plain=None):
     """Drive a policy as the loop does over a modelled pair: a plain step costs ``step``, a verify
     call of g + 1 tokens step * (1 + verify_slope * g), a draft step draft_c * step; each draft is
     kept with probability ``keep``; ``jitter`` (a Generator) scales each measured time by a random
     factor in [0.5, 1.5); ``cold`` scales the first plain step after a round and the first round
     after a plain step; ``expected``: the policy also gets the keep probabilities (Verdict.keep),
-    as from the loop at T > 0. Returns the drafts per round (0: a plain step)."""
+    as from the loop at T > 0; ``plain``: a plain step's time, if not ``step``. Returns the drafts
+    per round (0: a plain step)."""
     out = []
 
     def noisy(t):
@@ -628,7 +629,7 @@ def _modelled_run(policy, rounds, keep, verify_slope, rng, step=0.001, draft_c=0
 
     for _ in range(rounds):
         if not policy.draft_next():
-            policy.record_plain(noisy(step) * (cold[0] if out and out[-1] > 0 else 1.0))
+            policy.record_plain(noisy(step if plain is None else plain) * (cold[0] if out and out[-1] > 0 else 1.0))
             out.append(0)
             continue
         policy.start_round()
@@ -661,8 +662,8 @@ def test_adaptive_policy_takes_plain_steps_where_drafting_is_slower():
     """Theorem 3.8's objective includes gamma = 0: where a verify call of k tokens costs k plain
     steps (weights in cache, arithmetic bound) and a third of the drafts are kept, drafted rounds
     commit fewer tokens per second than plain steps. The policy then takes plain steps, drafting a
-    round after 16 of them, then after twice as many each time such a round loses (at most 128),
-    half as many when it wins; once the text gets easy and drafting wins, it drafts again."""
+    trial after 16 of them, then after twice as many each time a trial loses (at most 128); once the
+    text gets easy and drafting wins, it drafts again."""
     from edgespec.adaptive import AdaptiveGamma
 
     rng = np.random.default_rng(0)
@@ -679,9 +680,9 @@ def test_adaptive_policy_takes_plain_steps_where_drafting_is_slower():
 
 def test_adaptive_policy_learns_expected_outcomes_not_the_coin_flips():
     """Given the test's keep probabilities (Verdict.keep), a round counts its expected kept drafts,
-    not the number its uniforms happened to keep. Where drafting loses, a lucky round (every draft
-    kept) then no longer passes for a win that halves the wait before the next look: the waits
-    double to 128 and stay there. Counting the draws, lucky rounds cut them short."""
+    not the number its uniforms happened to keep. Where drafting loses, lucky rounds (every draft
+    kept) then no longer make a trial win and bring drafting back: the waits double to 128 and stay
+    there. Counting the draws, lucky trials cut them short."""
     from edgespec.adaptive import AdaptiveGamma
 
     def runs(expected):
@@ -697,6 +698,31 @@ def test_adaptive_policy_learns_expected_outcomes_not_the_coin_flips():
     assert pol._kept[5] / pol._seen[5] == pytest.approx(0.45, abs=0.02)
 
 
+def test_adaptive_policy_looks_again_with_trials_of_several_rounds():
+    """Where drafting loses, a look at it is a trial of up to 4 timed rounds that ends when they
+    lose together: one lucky round (every draft kept, from the coin flips) does not bring drafting
+    back. Judged on single rounds (a trial of 1), about twice as many rounds were drafted here."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    choices = _modelled_run(AdaptiveGamma(8), 3000, keep=0.45, verify_slope=0.5, rng=np.random.default_rng(7))
+    runs = _plain_runs(choices)
+    assert runs[:4] == [10 + 16, 32, 64, 128], runs          # the first trials lose: the waits double
+    assert sum(g > 0 for g in choices[500:]) < 170            # 123 here; 238 with single-round trials
+
+
+def test_adaptive_policy_probe_replaces_an_old_plain_step_time():
+    """A probe started where drafting wins narrowly measures plain steps afresh (the host's speed may
+    have changed): when plain steps got 20% faster, the first probe after that sends the policy to
+    plain steps, where mixing the new times into the old estimate kept it drafting for a while."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    pol = AdaptiveGamma(8)
+    before = _modelled_run(pol, 600, keep=0.6, verify_slope=0.25, rng=np.random.default_rng(2))
+    assert before[-300:].count(0) < 60                        # drafting wins narrowly: probes only
+    after = _modelled_run(pol, 600, keep=0.6, verify_slope=0.25, rng=np.random.default_rng(3), plain=0.0008)
+    assert _plain_runs(after)[0] >= 10 + 16 and after[-300:].count(0) > 280, _plain_runs(after)
+
+
 def test_verdict_keep_is_the_tests_keep_probability():
     """Verdict.keep [g] is min(1, p(x) / (l q(x))) per draft, computed for every draft, also after
     the first rejection (the probability of passing once the drafts before pass)."""
@@ -710,26 +736,30 @@ def test_verdict_keep_is_the_tests_keep_probability():
 
 
 def test_adaptive_policy_never_takes_plain_steps_where_drafting_clearly_wins():
-    """Drafted rounds 25% or more faster than plain steps: after one probe that times plain steps
-    (10: six cold, four timed) following the first drafted rounds, no plain step is ever taken to
-    check again (a check costs a round's worth of tokens)."""
+    """Drafted rounds 25% or more faster than plain steps: one probe that times plain steps (10:
+    six cold, four timed) after the first drafted rounds, then no plain step is ever taken to check
+    again (a check costs a round's worth of tokens). Where the verify calls' line says drafting is
+    1.6x faster, not even the probe (a short call would pay it: 10 plain steps in its first tokens)."""
     from edgespec.adaptive import AdaptiveGamma
 
-    choices = _modelled_run(AdaptiveGamma(8), 800, keep=0.85, verify_slope=0.1, rng=np.random.default_rng(1))
+    choices = _modelled_run(AdaptiveGamma(8), 800, keep=0.75, verify_slope=0.2, rng=np.random.default_rng(1),
+                            expected=True)   # drafting about 1.45x faster
     assert _plain_runs(choices) == [10] and choices.index(0) == 10
+    sure = _modelled_run(AdaptiveGamma(8), 800, keep=0.85, verify_slope=0.1, rng=np.random.default_rng(1))
+    assert 0 not in sure                     # about 1.7x by the line: no probe
 
 
 def test_adaptive_policy_measures_plain_steps_instead_of_extrapolating():
     """The verify calls' line through widths 2..9 can put a 1-token call far above a plain step's
     real time (a small target's cost grows faster from 1 to 2 tokens than beyond). The policy times
     plain steps instead of trusting that line: here plain steps are faster and it takes them, though
-    the line says drafting wins by more than 25%."""
+    by the line drafting wins by more than 25% (the policy before 0dd5f5f then never checked)."""
     from edgespec.adaptive import AdaptiveGamma
 
     pol = AdaptiveGamma(8)
     rng = np.random.default_rng(3)
     out = []
-    for _ in range(400):   # a plain step: 1 ms; a verify of k >= 2 tokens: 1.8 ms + 0.1 ms per token beyond 2
+    for _ in range(400):   # a plain step: 1 ms; a verify of k >= 2 tokens: 2.1 ms + 0.1 ms per token beyond 2
         if not pol.draft_next():
             pol.record_plain(0.001)
             out.append(0)
@@ -738,12 +768,15 @@ def test_adaptive_policy_measures_plain_steps_instead_of_extrapolating():
         g = 1
         while g < pol.max_gamma and pol.keep_going(g, 0.5):
             g += 1
-        kept = int(np.argmin(rng.random(g + 1) < 0.5))   # each kept with probability 0.5 until the first rejection
-        pol.update(np.full(g, 0.5), kept, 0.00005 * g, 0.0018 + 0.0001 * (g - 1))
+        kept = 0
+        while kept < g and rng.random() < 0.6:           # each kept with probability 0.6
+            kept += 1
+        pol.update(np.full(g, 0.5), kept, 0.00005 * g, 0.0021 + 0.0001 * (g - 1))
         out.append(g)
     a, b = pol._target_time.line()
-    assert (a + b) / 0.001 > 1.25                          # the line's 1-token call: over 1.25 ms
-    assert out[200:].count(0) > 0.9 * 200                  # yet plain steps, as they are faster
+    assert pol._spec[0] / pol._spec[1] * (a + b) >= 1.25   # by the line's 1-token call, drafting wins clearly
+    assert pol._spec[0] / pol._spec[1] * 0.001 < 1.0       # by a plain step's real time, it loses
+    assert out[200:].count(0) > 0.9 * 200                  # so plain steps, as they are faster
 
 
 def test_adaptive_policy_times_plain_steps_where_drafting_wins_narrowly():

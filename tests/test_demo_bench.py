@@ -695,6 +695,9 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
     from edgespec.adaptive import AdaptiveGamma
 
     pab = _script("policy_ab")
+    import subprocess
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=pab.ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: policy_ab.py reads the other policy with git show")
 
     class Old(AdaptiveGamma):  # as before Verdict.keep: update() took no keep probabilities
         def update(self, confidences, n_accepted, draft_s, target_s):
@@ -712,3 +715,6 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
     assert "this / HEAD: median" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="cannot read edgespec/adaptive.py"):
         pab.policy_class("no-such-revision")
+    if subprocess.run(["git", "cat-file", "-e", "c3986e0"], cwd=pab.ROOT, capture_output=True).returncode == 0:
+        with pytest.raises(SystemExit, match="predates plain steps"):   # (a shallow clone lacks it)
+            pab.policy_class("c3986e0")  # before draft_next / record_plain
