@@ -13,12 +13,11 @@ repeat is a warm-up and is not reported.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import inspect
 import subprocess
 import sys
-import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -41,12 +40,8 @@ def policy_class(revision: str):
     if source == (ROOT / "edgespec" / "adaptive.py").read_text():
         print(f"[policy_ab] note: the policy at {revision!r} is this checkout's: both sides run the same code",
               file=sys.stderr)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / f"adaptive_{abs(hash(revision))}.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    module = types.ModuleType(f"adaptive_at_{revision}")
+    exec(compile(source, f"{revision}:edgespec/adaptive.py", "exec"), module.__dict__)
     cls = module.AdaptiveGamma
     if not all(hasattr(cls, name) for name in ("draft_next", "record_plain")):
         raise SystemExit(f"error: the adaptive policy at {revision!r} predates plain steps (draft_next, "

@@ -36,17 +36,18 @@ _PLAIN_FORGET = 0.9   # per plain step: the decay of the plain step time's sums 
 # A plain step's time is measured by a probe: _PROBE timed plain steps (after the _COLD_PLAIN cold
 # ones), once after the first drafted rounds, then again every _REMEASURE rounds while drafting wins
 # by less than _CLEAR_WIN (a clear win needs no new check). It is not estimated from the verify
-# calls: a line through widths 2..9 put a 1-token call of the quick pair 35% above its measured time,
-# and the policy then drafted where plain steps were faster. Only where that line says drafting wins
-# by _SURE_WIN or more (well beyond that 35%) is the first probe skipped: its 10 plain steps cost a
+# calls: on the quick pair (verify calls of 3, 4, 5 tokens at 1.75, 1.99, 2.15 plain steps) the line
+# through them reaches 1.36 at one token, 36% above a plain step, and the policy then drafted where
+# plain steps were faster. Only where that line says drafting wins
+# by _SURE_WIN or more (well beyond that 36%) is the first probe skipped: its 10 plain steps cost a
 # short call on the bench pair, where drafting is 2-2.5x faster (64-token calls, a policy each: 1.13x
 # faster without it). While plain steps are faster, a round is drafted anyway after _EXPLORE plain
 # steps, so that a change (text that gets easier, a host that gets busier) is seen: a trial of up to
 # _TRIAL timed rounds (after the cold first one), ended by the first point where the trial's rounds
 # together lose to plain steps (then the wait doubles, up to _EXPLORE_MAX); a trial whose rounds all
 # win together replaces what the policy knew of drafted rounds (the text changed), and drafting
-# resumes. One round decides little at T > 0: where drafting lost by a quarter on the quick pair,
-# about a third of single rounds still beat a plain step.
+# resumes. One round decides little at T > 0: where drafting ran at 0.67-0.72x of plain steps on the
+# quick pair (T=1), 26-29% of single rounds still beat a plain step.
 _CLEAR_WIN = 1.25
 _SURE_WIN = 1.6
 _MIN_EVIDENCE = 8      # timed drafted rounds before plain steps are considered (one round says little)
@@ -170,15 +171,13 @@ class AdaptiveGamma:
             return True
         if self._probe > 0:
             return False                                  # timing plain steps (record_plain counts them)
-        if self._fixed is not None:
-            ratio = self._spec[0] / self._spec[1]          # tokens per target step; a plain step makes 1
-        elif self._plain[0] > 0:
-            ratio = self._spec[0] / self._spec[1] * self._plain[1] / self._plain[0]
-        elif self._spec[0] / self._spec[1] * self._target_time(1) >= _SURE_WIN:
-            return self._drafting()                       # far ahead even if the line's estimate is well off
-        else:                                             # never measured: probe
+        spec_rate = self._spec[0] / self._spec[1]          # tokens per second (per target step: fixed costs)
+        if self._fixed is None and self._plain[0] <= 0:   # never measured
+            if spec_rate * self._target_time(1) >= _SURE_WIN:
+                return self._drafting()                   # far ahead even if the line's estimate is well off
             self._probe = _PROBE
             return False
+        ratio = spec_rate * self._plain_seconds()
         if ratio >= _CLEAR_WIN:
             return self._drafting()
         if ratio > 1.0:                                   # drafting wins, but not by much: check now and then

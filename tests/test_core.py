@@ -757,22 +757,9 @@ def test_adaptive_policy_measures_plain_steps_instead_of_extrapolating():
     from edgespec.adaptive import AdaptiveGamma
 
     pol = AdaptiveGamma(8)
-    rng = np.random.default_rng(3)
-    out = []
-    for _ in range(400):   # a plain step: 1 ms; a verify of k >= 2 tokens: 2.1 ms + 0.1 ms per token beyond 2
-        if not pol.draft_next():
-            pol.record_plain(0.001)
-            out.append(0)
-            continue
-        pol.start_round()
-        g = 1
-        while g < pol.max_gamma and pol.keep_going(g, 0.5):
-            g += 1
-        kept = 0
-        while kept < g and rng.random() < 0.6:           # each kept with probability 0.6
-            kept += 1
-        pol.update(np.full(g, 0.5), kept, 0.00005 * g, 0.0021 + 0.0001 * (g - 1))
-        out.append(g)
+    # a plain step: 1 ms; a verify of g + 1 tokens: 2 ms * (1 + 0.05 g) = 2.1 ms + 0.1 ms per token beyond 2
+    out = _modelled_run(pol, 400, keep=0.6, verify_slope=0.05, rng=np.random.default_rng(3), step=0.002,
+                        draft_c=0.025, plain=0.001)
     a, b = pol._target_time.line()
     assert pol._spec[0] / pol._spec[1] * (a + b) >= 1.25   # by the line's 1-token call, drafting wins clearly
     assert pol._spec[0] / pol._spec[1] * 0.001 < 1.0       # by a plain step's real time, it loses
