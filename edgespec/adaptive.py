@@ -72,16 +72,17 @@ class _LinearTime:
     something); otherwise the mean of what was seen (one verify width says nothing about others)."""
 
     def __init__(self, proportional: bool = False):
-        self._s = np.zeros(5)  # [5] sums of 1, k, k^2, t, k t
+        self._s = (0.0, 0.0, 0.0, 0.0, 0.0)  # sums of 1, k, k^2, t, k t
         self._proportional = proportional
 
     def add(self, k: int, t: float) -> None:
-        self._s *= _FORGET_TIME
-        self._s += (1.0, k, k * k, t, k * t)
+        f = _FORGET_TIME
+        n, sk, skk, st, skt = self._s
+        self._s = (n * f + 1.0, sk * f + k, skk * f + k * k, st * f + t, skt * f + k * t)
 
     def line(self) -> tuple[float, float]:
         """(a, b) of the current fit; t(k) = max(1e-9, a + b k)."""
-        n, sk, skk, st, skt = (float(x) for x in self._s)
+        n, sk, skk, st, skt = self._s
         if n == 0:
             return 1.0, 0.0
         var = n * skk - sk * sk
@@ -108,21 +109,22 @@ class _WidthTime(_LinearTime):
 
     def __init__(self, max_width: int):
         super().__init__()
-        self._n = np.zeros(max_width + 1)   # [widths] decayed counts
-        self._t = np.zeros(max_width + 1)   # [widths] decayed sums of seconds
+        self._n = [0.0] * (max_width + 1)   # [widths] decayed counts
+        self._t = [0.0] * (max_width + 1)   # [widths] decayed sums of seconds
 
     def add(self, k: int, t: float) -> None:
         super().add(k, t)
-        self._n *= _FORGET_TIME
-        self._t *= _FORGET_TIME
-        if k < self._n.shape[0]:
+        f = _FORGET_TIME
+        self._n = [x * f for x in self._n]
+        self._t = [x * f for x in self._t]
+        if k < len(self._n):
             self._n[k] += 1.0
             self._t[k] += t
 
     def table(self) -> list[float]:
         """Predicted seconds of a verify call of each width 0..max_width."""
         a, b = self.line()
-        return [float(t / n) if n >= self._MIN_SEEN else max(1e-9, a + b * k)
+        return [t / n if n >= self._MIN_SEEN else max(1e-9, a + b * k)
                 for k, (n, t) in enumerate(zip(self._n, self._t))]
 
 
@@ -137,8 +139,11 @@ class AdaptiveGamma:
         self.max_gamma = max_gamma
         self._fixed = fixed_costs
         self._untimed = 0 if fixed_costs is not None else _UNTIMED_ROUNDS  # fixed costs: nothing to warm up
-        self._kept = np.full(_BINS, 1.0)     # [bins] Beta(1, 1) prior on each bin's keep rate
-        self._seen = np.full(_BINS, 2.0)     # [bins]
+        # Plain Python floats and lists here, not numpy: the policy runs a few dozen small steps
+        # per round, and numpy's per-call cost, cold after each model call, made them ~100 us a
+        # round, 10% of a round on the quick pair.
+        self._kept = [1.0] * _BINS           # [bins] Beta(1, 1) prior on each bin's keep rate
+        self._seen = [2.0] * _BINS           # [bins]
         self._rounds = 0
         self._draft_time = _LinearTime(proportional=True)  # drafts k -> seconds drafting a round
         self._target_time = _WidthTime(max_gamma + 2)       # verify width k -> seconds per target call
@@ -147,14 +152,14 @@ class AdaptiveGamma:
         self._draft_line = (1.0, 0.0)                       # this round's (a, b) of the drafting fit
         self._verify = [1.0] * (max_gamma + 3)              # this round's verify seconds per width
         self._mean_keep = 0.5
-        self._spec = np.zeros(2)      # decayed (tokens, seconds) of timed drafted rounds
-        self._plain = np.zeros(2)     # decayed (steps, seconds) of plain steps
+        self._spec = [0.0, 0.0]       # decayed (tokens, seconds) of timed drafted rounds
+        self._plain = [0.0, 0.0]      # decayed (steps, seconds) of plain steps
         self._since_plain = 0         # drafted rounds since a plain step was timed
         self._probe = 0               # timed plain steps still to take for a probe
         self._plain_run = 0           # plain steps taken since the last drafted round
         self._explore = _EXPLORE      # plain steps before the next drafted round, while plain steps win
         self._exploring = False       # drafting a trial: plain steps were faster, look again (see _TRIAL)
-        self._trial = np.zeros(3)     # the trial's (tokens, seconds, timed rounds)
+        self._trial = [0.0, 0.0, 0.0]  # the trial's (tokens, seconds, timed rounds)
         # The first plain steps after a drafted round, and the first round after a plain step, run
         # cold: a call of another shape (ONNX Runtime plans its buffers again), the other model's
         # data in the caches. On the quick pair (AMD EPYC, 1 thread), plain steps after a round took
@@ -183,7 +188,7 @@ class AdaptiveGamma:
         if ratio > 1.0:                                   # drafting wins, but not by much: check now and then
             if self._fixed is None and self._since_plain >= _REMEASURE:
                 self._probe = _PROBE
-                self._plain[:] = 0.0                      # a fresh estimate: the host's speed may have changed
+                self._plain = [0.0, 0.0]                  # a fresh estimate: the host's speed may have changed
                 return False
             return self._drafting()
         self._plain_run += 1
@@ -194,7 +199,7 @@ class AdaptiveGamma:
 
     def _plain_seconds(self) -> float:
         """A plain step's time (target steps with fixed costs); call once one is measured."""
-        return 1.0 if self._fixed is not None else float(self._plain[1] / self._plain[0])
+        return 1.0 if self._fixed is not None else self._plain[1] / self._plain[0]
 
     def _drafting(self) -> bool:
         self._plain_run, self._explore, self._exploring = 0, _EXPLORE, False
@@ -202,16 +207,16 @@ class AdaptiveGamma:
 
     def _end_trial(self, tokens: float, seconds: float) -> None:
         """A timed round of a trial (see _TRIAL): go on, or decide, and end it."""
-        self._trial += (tokens, seconds, 1.0)
+        self._trial = [self._trial[0] + tokens, self._trial[1] + seconds, self._trial[2] + 1.0]
         ahead = self._trial[0] * self._plain_seconds() > self._trial[1]
         if ahead and self._trial[2] < _TRIAL:
             return                                        # winning so far: one more round
         if ahead:                                         # drafting wins again: start from the trial's rounds
-            self._spec[:] = self._trial[:2]               # (draft_next then resets the wait)
+            self._spec = self._trial[:2]                  # (draft_next then resets the wait)
         else:
             self._explore = min(2 * self._explore, _EXPLORE_MAX)
         self._exploring = False
-        self._trial[:] = 0.0
+        self._trial = [0.0, 0.0, 0.0]
 
     def record_plain(self, seconds: float) -> None:
         """Learn from a plain target step (no drafts): its time, sampling included."""
@@ -219,15 +224,14 @@ class AdaptiveGamma:
         self._last = ("plain", n)
         if n <= _COLD_PLAIN:  # cold (see _last)
             return
-        self._plain *= _PLAIN_FORGET
-        self._plain += (1.0, seconds)
+        self._plain = [self._plain[0] * _PLAIN_FORGET + 1.0, self._plain[1] * _PLAIN_FORGET + seconds]
         self._since_plain = 0
         self._probe = max(0, self._probe - 1)
 
     # ---------------------------------------------------------------- predictions
     def _keep_prob(self, confidence: float) -> float:
         b = min(int(confidence * _BINS), _BINS - 1)
-        return float(self._kept[b] / self._seen[b])
+        return self._kept[b] / self._seen[b]
 
     # ---------------------------------------------------------------- per round
     def start_round(self) -> None:
@@ -242,7 +246,7 @@ class AdaptiveGamma:
         else:
             self._draft_line = self._draft_time.line()
             self._verify = self._target_time.table()
-        self._mean_keep = float(self._kept.sum() / self._seen.sum())
+        self._mean_keep = sum(self._kept) / sum(self._seen)
 
     def keep_going(self, i: int, confidence: float) -> bool:
         """After drafting token i with the given confidence: draft token i + 1?"""
@@ -267,23 +271,27 @@ class AdaptiveGamma:
         ``keep`` [g]: the test's probability of keeping each draft once the ones before it are
         kept (``Verdict.keep``); with it the policy learns the round's expected outcome instead of
         the one its uniforms drew (n_accepted)."""
-        g = confidences.shape[0]
-        if keep is None:  # the drawn outcome: the first n kept, the next one rejected
-            keep = (np.arange(g) < n_accepted).astype(np.float64)                  # [g]
-        # Draft j is examined iff every draft before it is kept: probability prod_{i < j} keep_i.
-        # Crediting each bin with that probability (seen) and with it times keep_j (kept) is the
-        # expectation of counting the examined drafts and the kept ones over the test's uniforms:
+        conf = np.asarray(confidences, dtype=np.float64).tolist()                  # [g]
+        g = len(conf)
+        # [g] the drawn outcome (the first n kept, the next one rejected) unless keep is given
+        keep = [float(j < n_accepted) for j in range(g)] if keep is None else np.asarray(keep, dtype=np.float64).tolist()
+        # Draft j is examined iff every draft before it is kept: probability reach_j = prod_{i < j}
+        # keep_i. Crediting each bin with that probability (seen) and with it times keep_j (kept) is
+        # the expectation of counting the examined drafts and the kept ones over the test's uniforms:
         # the same estimate on average, without the coin flips' noise (at T = 1 a round's count of
         # kept drafts varies more than its mean). At greedy keep is 1 or 0 and the two coincide.
-        reach = np.cumprod(np.concatenate(([1.0], keep[:-1])))[:g]                 # [g] P(draft j examined)
-        self._kept *= _FORGET
-        self._seen *= _FORGET
+        kept = [x * _FORGET for x in self._kept]
+        seen = [x * _FORGET for x in self._seen]
+        reach, tokens = 1.0, 1.0                      # P(draft j examined); expected tokens committed
         for j in range(g):
-            if reach[j] > 0.0:
-                b = min(int(confidences[j] * _BINS), _BINS - 1)
-                self._seen[b] += reach[j]
-                self._kept[b] += reach[j] * keep[j]
-        tokens = 1.0 + float((reach * keep).sum())    # expected tokens committed (kept drafts + 1)
+            if reach <= 0.0:
+                break                                 # no later draft is examined either
+            b = min(int(conf[j] * _BINS), _BINS - 1)
+            seen[b] += reach
+            reach *= keep[j]
+            kept[b] += reach
+            tokens += reach
+        self._kept, self._seen = kept, seen
         switched = False
         if g:
             self._rounds += 1
@@ -299,8 +307,7 @@ class AdaptiveGamma:
                 seconds = c * g + 1.0 + slope * g
             else:
                 seconds = draft_s + target_s
-            self._spec *= _SPEC_FORGET
-            self._spec += (tokens, seconds)
+            self._spec = [self._spec[0] * _SPEC_FORGET + tokens, self._spec[1] * _SPEC_FORGET + seconds]
             self._since_plain += 1
             if self._exploring:
                 self._end_trial(tokens, seconds)

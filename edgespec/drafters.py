@@ -76,11 +76,11 @@ class ModelDrafter:
         q = np.empty((gamma, vocab))                                           # [gamma, V]
         conf = np.zeros(gamma)                                                 # [gamma] q_i(x_i)
         g = 0
-        greedy = sampling.greedy
-        if greedy or dv < vocab:
-            q.fill(0.0)
-        while g < gamma:
+        zero = sampling.greedy or dv < vocab  # rows _pick does not fully write: zeroed as drafted
+        while g < gamma:                      # (an adaptive round may stop long before gamma)
             logits = b.extend(feed)[-1:, :dv]                                  # [1, dv]
+            if zero:
+                q[g] = 0.0
             conf[g] = self._pick(g, logits[0], ids, q[g], sampling, uniform, keep_going is not None)
             feed = ids[g:g + 1]
             g += 1
