@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from edgespec import contract
+from edgespec.runtimes import huge_pages
 from edgespec.bundle import ModelManifest
 from edgespec.errors import (
     BundleError,
@@ -112,6 +113,7 @@ class SessionConfig:
     providers: tuple[str, ...] = ("cpu",)
     intra_op_threads: int = 0  # 0: ONNX Runtime's default (one per physical core)
     spinning: bool | None = None  # intra-op thread spin-waiting; None: ORT default (on)
+    huge_pages: bool = True  # CPU: move the session's weights onto transparent huge pages (runtimes/huge_pages.py)
 
     def __post_init__(self) -> None:
         t = self.intra_op_threads
@@ -136,6 +138,7 @@ def make_session(path: Path, cfg: SessionConfig):
     opts.log_severity_level = 3
     if cfg.spinning is not None:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if cfg.spinning else "0")
+    before = huge_pages.anonymous_ranges() if cfg.huge_pages and PROVIDER_ALIASES["cpu"] in providers else None
     try:
         sess = ort.InferenceSession(str(path), opts, providers=list(providers))
     except Exception as exc:  # ORT raises its own exception types (InvalidProtobuf, Fail, ...)
@@ -151,6 +154,8 @@ def make_session(path: Path, cfg: SessionConfig):
             ) from exc
         raise BundleError(f"ONNX Runtime cannot load {path}: {msg}; the file is corrupt or not an edgespec "
                           "export: re-export the bundle") from exc
+    if before is not None:
+        huge_pages.collapse_new(before)
     missing = [p for p in providers if p not in sess.get_providers()]
     if missing:
         raise ProviderError(
