@@ -38,12 +38,12 @@ def kv_bytes_per_token(model) -> int:
 
 def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), threads: int = 0,
                 draft_threads: int | None = 1, spinning: bool | None = None, engine=None,
-                platform: str | None = None) -> OpenedBundle:
+                platform: str | None = None, huge_pages: bool = True) -> OpenedBundle:
     """Wrap the backends of ``engine`` (an already loaded Engine) or of a newly loaded one."""
     from .api import load
 
     eng = engine or load(bundle, providers=providers, threads=threads, draft_threads=draft_threads,
-                         spinning=spinning, runtime=runtime, platform=platform)
+                         spinning=spinning, runtime=runtime, platform=platform, huge_pages=huge_pages)
     target, draft, tokenizer, manifest = eng.target, eng.draft, eng.tokenizer, eng.manifest
     t = manifest.target
     wrap_t = ReadCounter(target, int(t.parameter_bytes.get("per_forward", t.parameter_bytes.get("total", 0))),
@@ -114,6 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-threads", type=int, default=None, help="draft intra-op threads (default 1)")
     p.add_argument("--spin", choices=("on", "off", "default"), default="default",
                    help="ORT thread spin-waiting (default: ORT's, on; it only matters with more than one thread)")
+    p.add_argument("--no-huge-pages", action="store_true",
+                   help="leave ONNX Runtime's weights on the pages it allocated (default: moved onto transparent "
+                        "huge pages where Linux allows it; plain and speculative decoding are then faster)")
     p.add_argument("--out", type=Path, default=None, help="folder for bench.json and PNG plots")
     p.add_argument("--quiet", action="store_true")
 
@@ -155,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
     refuse_ort_flags(args.runtime, {"--provider": args.provider != "cpu", "--threads": args.threads is not None,
-                                    "--draft-threads": args.draft_threads is not None, "--spin": args.spin != "default"})
+                                    "--draft-threads": args.draft_threads is not None, "--spin": args.spin != "default",
+                                    "--no-huge-pages": args.no_huge_pages})
     draft_threads = 1 if args.draft_threads is None else args.draft_threads
     if args.out is not None:   # before the measurement, not after it
         if args.out.exists() and not args.out.is_dir():
@@ -165,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     threads = default_target_threads(lookahead) if args.threads is None else args.threads
     spin = {"on": True, "off": False, "default": None}[args.spin]
     ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), threads, draft_threads, spin,
-                     platform=args.platform)
+                     platform=args.platform, huge_pages=not args.no_huge_pages)
     if lookahead:
         warn_if_no_spare_core(threads)
     # the adaptive settings' bound: 8, within what the XLA artifacts verify in one call
@@ -210,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
                "providers": args.provider, "threads": threads, "draft_threads": draft_threads,
                "platform": args.platform, "verify_width": ob.verify_width,
                "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
-               "spin": args.spin, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "spin": args.spin, "huge_pages": not args.no_huge_pages, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
                "hardware_counters": note, "results": rows, "adaptive_vs_static": versus,
                "command": "edgespec bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "edgespec bench"}

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --draft lookahead all cores but one, which the drafting thread needs)")
     parser.add_argument("--draft-threads", type=int, default=None, help="intra-op threads for the draft (default 1)")
     parser.add_argument("--no-spin", action="store_true", help="disable ONNX Runtime thread spin-waiting")
+    parser.add_argument("--no-huge-pages", action="store_true",
+                        help="leave ONNX Runtime's weights on the pages it allocated (default: moved onto transparent "
+                             "huge pages where Linux allows it)")
     parser.add_argument("--runtime", choices=("onnx", "xla"), default="onnx",
                         help="onnx (default) or xla (jax.export artifacts: export with --format onnx+xla)")
     parser.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, tpu (default: JAX's default)")
@@ -109,7 +112,8 @@ def _check_flags(args: argparse.Namespace, gamma: int | None) -> None:
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
     refuse_ort_flags(args.runtime, {"--provider": args.provider != "cpu", "--draft-provider": args.draft_provider,
                                     "--threads": args.threads is not None,
-                                    "--draft-threads": args.draft_threads is not None, "--no-spin": args.no_spin})
+                                    "--draft-threads": args.draft_threads is not None, "--no-spin": args.no_spin,
+                                    "--no-huge-pages": args.no_huge_pages})
 
 
 def refuse_ort_flags(runtime: str, given: dict) -> None:
@@ -132,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=threads,
                   draft_threads=1 if args.draft_threads is None else args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",
-                  runtime=args.runtime, platform=args.platform)
+                  runtime=args.runtime, platform=args.platform, huge_pages=not args.no_huge_pages)
     if not engine.has_draft and args.draft != "ngram" and not args.no_draft:
         idle = [f for f, on in (("--gamma", gamma is not None), ("--show-drafts", args.show_drafts)) if on]
         if idle:

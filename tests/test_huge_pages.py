@@ -84,3 +84,20 @@ def test_collapse_touches_nothing_mapped_before():
 def test_collapse_is_a_no_op_without_proc(monkeypatch):
     monkeypatch.setattr(huge_pages, "anonymous_ranges", lambda: [])
     assert huge_pages.collapse_new([]) == 0
+
+
+def test_engine_and_clis_with_huge_pages_off(tiny_bundle, tmp_path, capsys):
+    """Off (the API's huge_pages=False, the CLIs' --no-huge-pages) is plain ONNX Runtime: same output."""
+    import json
+
+    import edgespec
+    from edgespec.cli import main
+
+    b = tiny_bundle("llama")
+    ids = [[t for t in edgespec.load(b, huge_pages=hp).generate("the cat", max_new_tokens=12, temperature=0, gamma=3).ids]
+           for hp in (True, False)]
+    assert ids[0] == ids[1]
+    assert main(["generate", str(b), "--prompt", "the cat", "--max-new-tokens", "6", "--no-huge-pages", "--json"]) == 0
+    assert main(["bench", str(b), "--gammas", "2", "--temperatures", "0", "--repeats", "1", "--max-new-tokens", "8",
+                 "--no-huge-pages", "--quiet", "--out", str(tmp_path)]) == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["huge_pages"] is False
