@@ -537,8 +537,8 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     the benchmark machine a 2-thread draft cut speculative tokens/s by a third);
     ``spinning``: thread spin-waiting on/off (None: ORT default, on).
     ``huge_pages``: on Linux with the CPU provider, move the weights ONNX Runtime loaded onto
-    transparent huge pages (fewer TLB misses while a step streams them; plain decoding of the bench
-    pair ran 8% faster); False leaves ONNX Runtime's memory as it allocated it.
+    transparent huge pages (fewer TLB misses while a step streams them; on the bench pair plain
+    decoding ran 13-15% faster, speculative 7-8%); False leaves ONNX Runtime's memory as it was.
     ``runtime="xla"`` runs the bundle's jax.export artifacts instead (``edgespec export --format
     onnx+xla``) on ``platform`` (cpu, cuda, tpu; default: JAX's default device).
     """
