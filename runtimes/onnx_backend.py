@@ -119,6 +119,9 @@ class SessionConfig:
         t = self.intra_op_threads
         if isinstance(t, bool) or not isinstance(t, int) or t < 0:
             raise InvalidArgumentError(f"threads must be an integer >= 0 (0 = ONNX Runtime default); got {t!r}")
+        if not isinstance(self.huge_pages, bool):
+            raise InvalidArgumentError(f"huge_pages must be True or False (CLI: --no-huge-pages for False); "
+                                       f"got {self.huge_pages!r}")
 
 
 def _one_line(exc: BaseException, limit: int = 1000) -> str:

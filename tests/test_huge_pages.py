@@ -14,7 +14,7 @@ from edgespec.runtimes.huge_pages import new_ranges
 linux = pytest.mark.skipif(not sys.platform.startswith("linux") or mmap.PAGESIZE != 4096,
                            reason="/proc/self/maps, mincore and MADV_COLLAPSE over 4 KiB pages are Linux's")
 _PRIVATE = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
-_HUGE = 2 << 20
+_HUGE = huge_pages._HUGE
 
 
 def test_new_ranges_keeps_only_what_no_old_mapping_covered():
@@ -50,7 +50,7 @@ def _collapse_works() -> bool:
         arr = np.frombuffer(region, dtype=np.uint8)
         arr[:] = 1
         a = -(-arr.ctypes.data // _HUGE) * _HUGE
-        ok = _libc().madvise(a, _HUGE, 25) == 0
+        ok = _libc().madvise(a, _HUGE, huge_pages._MADV_COLLAPSE) == 0
         del arr
         return ok
     finally:
@@ -127,6 +127,10 @@ def test_engine_and_clis_switch_it(tiny_bundle, tmp_path, monkeypatch, capsys):
                  "--no-huge-pages", "--quiet", "--out", str(tmp_path)]) == 0
     assert len(calls) == 2
     assert json.loads((tmp_path / "bench.json").read_text())["huge_pages"] is False
+    from edgespec.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="huge_pages must be True or False"):
+        edgespec.load(b, huge_pages="no")
     assert main(["generate", str(b), "--prompt", "the cat", "--max-new-tokens", "6", "--json"]) == 0
     assert len(calls) == 4
 
