@@ -59,7 +59,7 @@ def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), t
 DEFAULT_MAX_NEW_TOKENS = 96  # per prompt; the demo's follow-up suggestion checks that it fits
 
 
-def _parse_list(text: str, cast, name: str) -> list:
+def parse_list(text: str, cast, name: str) -> list:
     try:
         values = [cast(x) for x in text.split(",") if x.strip()]
     except InvalidArgumentError:
@@ -149,9 +149,9 @@ def run(args: argparse.Namespace) -> int:
     from .generate_cli import refuse_ort_flags
     from .outputs import check_writable
 
-    grid = build_grid(_parse_list(args.gammas, _gamma, "gammas"), _parse_list(args.temperatures, float, "temperatures"),
-                      args.top_k, args.top_p, _parse_list(args.lenience, float, "lenience"),
-                      _parse_list(args.draft, str, "draft"))
+    grid = build_grid(parse_list(args.gammas, _gamma, "gammas"), parse_list(args.temperatures, float, "temperatures"),
+                      args.top_k, args.top_p, parse_list(args.lenience, float, "lenience"),
+                      parse_list(args.draft, str, "draft"))
     for s in grid:
         if s.draft not in DRAFTERS:
             raise InvalidArgumentError(f"--draft takes {', '.join(DRAFTERS)} (a comma list); got {s.draft!r}")

@@ -16,7 +16,7 @@ from . import contract
 from .config import SamplingConfig
 from .errors import BundleError, InvalidArgumentError
 from .cli import at_least
-from .measure import Setting, hardware_counters_note, run_setting
+from .measure import Setting, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
 from .report import machine_description
 
@@ -25,7 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="quick", help="pair preset: quick (default, minutes), bench (about 40 minutes on 2 cores) or tiny (seconds; a smoke test)")
     p.add_argument("--corpus", nargs="*", type=Path, default=None,
                    help="text files to train on (default: this Python's standard library source)")
-    p.add_argument("--gamma", default="4", help="draft tokens per round, or 'auto' (adaptive)")
+    p.add_argument("--gamma", default="4,auto",
+                   help="draft tokens per round, or 'auto' (adaptive, the default of `edgespec generate` and the API); "
+                        "a comma list measures each side by side, and the streamed generation uses the first "
+                        "(default 4,auto)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=96)
     p.add_argument("--repeats", type=at_least(1), default=3, help="measured repeats after one warm-up (default 3)")
     p.add_argument("--threads", type=at_least(0), default=1, help="ORT intra-op threads per model (default 1)")
@@ -57,7 +60,7 @@ def _fmt(x: float, spec: str = ".3f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def _print_row(row: dict) -> None:
+def _print_row(row: dict, auto_shown: bool = False) -> None:
     g = row["gamma"] if row["gamma"] is not None else f"auto (mean {row['mean_gamma']:.1f})"
     print(f"\n  temperature {row['temperature']:g}, gamma {g}:")
     print(f"    alpha (E[sum min(p, q)])       {_fmt(row['alpha'])}")
@@ -81,12 +84,12 @@ def _print_row(row: dict) -> None:
     elif row["gamma"] is not None and row["speedup"] < 1:
         print(f"    slower than plain decoding here: a verify call cost {_fmt(row['verify_cost_steps'], '.2f')} plain "
               "steps. Adaptive gamma (the default of `edgespec generate` and the API) takes plain steps where "
-              "drafting loses: `edgespec demo --gamma auto`")
+              "drafting loses: " + ("its row below" if auto_shown else "`edgespec demo --gamma auto`"))
 
 
 def run(args: argparse.Namespace) -> int:
     from .api import load
-    from .bench import DEFAULT_MAX_NEW_TOKENS, open_bundle
+    from .bench import DEFAULT_MAX_NEW_TOKENS, open_bundle, parse_list
     from .generate_cli import parse_gamma
     from .pair import get_preset, train_pair
 
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[demo] {msg}", file=sys.stderr, flush=True)
 
     # every option is checked before minutes of training
-    gamma = parse_gamma(args.gamma, "--gamma")
+    gammas = parse_list(args.gamma, lambda x: parse_gamma(x, "--gamma"), "gamma")
     get_preset(args.preset)
     t_all = time.perf_counter()
     log(f"step 1/4: the {args.preset} pair (trained once, then cached)")
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
     prompt = eng.decode(fit(CODE_PROMPTS[0]))
     sys.stdout.write(prompt)
-    stream = eng.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.7, top_p=0.9, gamma=gamma,
+    stream = eng.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=0.7, top_p=0.9, gamma=gammas[0],
                           seed=args.seed, stream=True)
     for chunk in stream:
         sys.stdout.write(str(chunk))
@@ -128,12 +131,11 @@ def run(args: argparse.Namespace) -> int:
     prompts = [fit(p) for p in CODE_PROMPTS[:4]]
     eos = tuple(ob.manifest.target.eos_token_ids)
     rows = []
-    for temperature in (0.0, 1.0):
-        setting = Setting(gamma, SamplingConfig(temperature))
-        r = run_setting(ob.target, ob.draft, prompts, setting, args.max_new_tokens, args.repeats,
-                        eos_token_ids=eos, seed=args.seed, progress=log,
-                        vocab_size=ob.manifest.sample_vocab_size)
-        rows.append(r.summary())
+    for temperature in (0.0, 1.0):  # the gammas side by side, sharing each prompt's plain run
+        settings = [Setting(g, SamplingConfig(temperature)) for g in gammas]
+        rows += [r.summary() for r in run_settings(ob.target, ob.draft, prompts, settings, args.max_new_tokens,
+                                                   args.repeats, eos_token_ids=eos, seed=args.seed, progress=log,
+                                                   vocab_size=ob.manifest.sample_vocab_size)]
     m = ob.manifest
     mach = machine_description()
     print(f"edgespec demo: {args.preset} pair in {pair_dir}")
@@ -146,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
           f"{m.target.parameter_bytes.get('per_forward', 0) / 1e6:.1f} MB weights read per forward; "
           f"draft: {layers(m.draft.num_layers)}, {m.draft.parameter_bytes.get('per_forward', 0) / 1e6:.1f} MB")
     for row in rows:
-        _print_row(row)
+        _print_row(row, auto_shown=None in gammas)
     print(f"\n{hardware_counters_note()}")
     longest = max(len(eng.encode(p)) for p in CODE_PROMPTS)
     fits = longest + DEFAULT_MAX_NEW_TOKENS <= eng.manifest.target.max_positions  # bench's prompts, untrimmed

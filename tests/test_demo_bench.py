@@ -42,6 +42,10 @@ def test_demo_end_to_end_on_tiny_preset(tmp_path, monkeypatch, capsys):
                    "tokens/s speculative", "Theorem 3.8 predicts", "decode speedup (after 1st tok)",
                    "target bytes read per token", "hardware counters"):
         assert needle in out, needle
+    # the default measures gamma 4 and adaptive gamma side by side, at T=0 and T=1
+    assert [line.strip() for line in out.splitlines() if line.strip().startswith("temperature ")][::2] == [
+        "temperature 0, gamma 4:", "temperature 1, gamma 4:"]
+    assert out.count(", gamma auto (mean ") == 2
     assert "--prompts FILE --max-new-tokens N` for the full grid" in out  # the tiny pair's 32 positions
     # second run reuses the cached pair and bundle
     assert main(args) == 0
@@ -235,6 +239,8 @@ def test_demo_says_when_speculation_loses_and_what_adaptive_gamma_did(capsys):
     _print_row({**base, "gamma": 4, "speedup": 0.8})
     out = capsys.readouterr().out
     assert "slower than plain decoding here: a verify call cost 2.04 plain steps" in out and "--gamma auto" in out
+    _print_row({**base, "gamma": 4, "speedup": 0.8}, auto_shown=True)
+    assert "takes plain steps where drafting loses: its row below" in capsys.readouterr().out
     _print_row({**base, "gamma": 4, "speedup": 1.3})
     assert "slower" not in capsys.readouterr().out
     _print_row({**base, "gamma": None, "speedup": 0.93, "mean_gamma": 1.2, "plain_step_share": 0.88})
@@ -247,7 +253,8 @@ def test_demo_checks_its_options_before_training(monkeypatch, capsys):
     import edgespec.pair
 
     monkeypatch.setattr(edgespec.pair, "train_pair", lambda *a, **k: pytest.fail("trained before checking the options"))
-    for extra, needle in ((["--gamma", "foo"], "--gamma"), (["--gamma", "0"], "--gamma"), (["--repeats", "0"], "--repeats"),
+    for extra, needle in ((["--gamma", "foo"], "--gamma"), (["--gamma", "0"], "--gamma"),
+                          (["--gamma", "4,4"], "--gamma lists a value twice"), (["--gamma", "3,x"], "--gamma"), (["--repeats", "0"], "--repeats"),
                           (["--max-new-tokens", "0"], "--max-new-tokens"), (["--threads", "-1"], "--threads"),
                           (["--repeats", "2.5"], "--repeats: expected an integer"),
                           (["--preset", "bogus"], "unknown preset 'bogus'")):
