@@ -145,8 +145,9 @@ def check_hf_folder(folder: Path, role: str = "target") -> str | None:
 
 def load_target(folder: Path):
     """``(model, tokenizer)`` of a target folder: safetensors only, no remote code."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from .export.onnx_export import load_torch_model_at
 
     check_hf_folder(folder, "target")
     try:
@@ -155,12 +156,7 @@ def load_target(folder: Path):
         raise CheckpointError(f"cannot load the tokenizer of {folder}: {exc}; save a tokenizer.json with the target") from exc
     if not getattr(tok, "is_fast", False):
         raise CheckpointError(f"the tokenizer of {folder} is not a fast (tokenizer.json) tokenizer; save one with the target")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, use_safetensors=True, dtype=torch.float32)
-    except Exception as exc:
-        raise CheckpointError(f"cannot load the target model in {folder} ({str(exc).strip()[:300]}); check that "
-                              "config.json belongs to these weights, or save the checkpoint again") from exc
-    model.eval()
+    model = load_torch_model_at(folder, seq2seq=False)  # refuses weights config.json does not describe
     return model, tok
 
 
@@ -414,7 +410,8 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     check_hf_folder(target_dir, "target")  # before the seconds torch and transformers take to import
     init_type = check_hf_folder(Path(init), "init draft") if init is not None else None
     import torch
-    from transformers import LlamaForCausalLM
+
+    from .export.onnx_export import load_torch_model_at
 
     if init is None:
         draft_size = resolve_size(size, layers, hidden, heads, intermediate)
@@ -423,7 +420,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             raise InvalidArgumentError(f"--init {init} holds a {init_type!r} model; distill trains Llama drafts, so "
                                        "--init takes a Llama draft (one made by `edgespec distill`): drop --init to "
                                        "train a new draft")
-        init_model = LlamaForCausalLM.from_pretrained(Path(init), use_safetensors=True, dtype=torch.float32)
+        init_model = load_torch_model_at(Path(init), seq2seq=False)
         init_layers = init_model.config.num_hidden_layers
         draft_size = _init_shape(init_model.config, size, layers, hidden, heads, intermediate)
     tmodel, tok = load_target(target_dir)

@@ -31,15 +31,33 @@ def load_torch_model_at(path: Path, seq2seq: bool):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    from transformers.utils import logging as hf_logging
+
     cls = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its "weights not initialized / not used" warnings: refused below instead
     try:
-        model = cls.from_pretrained(str(path), use_safetensors=True, local_files_only=True, dtype=torch.float32)
+        model, info = cls.from_pretrained(str(path), use_safetensors=True, local_files_only=True, dtype=torch.float32,
+                                          output_loading_info=True)
     except (RuntimeError, ValueError, OSError, KeyError) as exc:
         text = " ".join(str(exc).split())  # torch's message spans lines (one per tensor): one line here
         mismatch = "size mismatch" in text or "shape" in text  # config.json describes other weights
         advice = ("check that config.json belongs to these weights, or save the checkpoint again" if mismatch
                   else "save the checkpoint again with save_pretrained(..., safe_serialization=True)")
         raise CheckpointError(f"cannot load the model in {str(path)!r} ({text[:300]}); {advice}") from exc
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    # transformers fills parameters the files lack with random values and drops tensors the model
+    # has no place for, with a warning only; the validation would then compare ONNX against the
+    # same wrong model and pass. (Tied weights and buffers it knows to skip are not listed.)
+    for key, what in (("missing_keys", "has no weights for"), ("unexpected_keys", "has weights the model has no place for:")):
+        names = sorted(info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise CheckpointError(
+                f"the checkpoint in {str(path)!r} {what} {shown}; its config.json does not describe these weights "
+                "(e.g. num_hidden_layers): check that config.json belongs to them, or save the checkpoint again with "
+                "save_pretrained(..., safe_serialization=True)")
     return model.eval()
 
 

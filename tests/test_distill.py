@@ -175,6 +175,14 @@ def test_bad_targets(target, corpus, tmp_path):
     (cut / "model.safetensors").write_bytes((target / "model.safetensors").read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         distill(cut, tmp_path / "o", **kw)
+    more = tmp_path / "more-layers"  # config.json describes more layers than the weights hold
+    shutil.copytree(target, more)
+    cfg = json.loads((more / "config.json").read_text())
+    (more / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + 1}))
+    with pytest.raises(CheckpointError, match="has no weights for model.layers"):
+        distill(more, tmp_path / "o", **kw)
+    with pytest.raises(CheckpointError, match="has no weights for model.layers"):
+        distill(target, tmp_path / "o", init=more, **kw)
     (tmp_path / "taken").mkdir()
     with pytest.raises(OutputExistsError, match="--overwrite"):
         distill(target, tmp_path / "taken", **kw)

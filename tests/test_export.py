@@ -123,6 +123,25 @@ def test_missing_folder(tmp_path, capsys):
     assert _nothing_written(out)
 
 
+def test_config_with_more_or_fewer_layers_than_the_weights(tiny_checkpoints, tmp_path, capsys):
+    """transformers fills missing weights with random values and drops unused ones, warning only;
+    the export would then validate a random model against itself. Both are typed errors."""
+    target, _ = tiny_checkpoints("llama")
+    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    for name, n, needle in (("more", layers + 1, f"has no weights for model.layers.{layers}."),
+                            ("fewer", layers - 1, f"has weights the model has no place for: model.layers.{layers - 1}.")):
+        bad = tmp_path / name
+        shutil.copytree(target, bad)
+        cfg = json.loads((bad / "config.json").read_text())
+        cfg["num_hidden_layers"] = n
+        (bad / "config.json").write_text(json.dumps(cfg))
+        out = tmp_path / f"o-{name}"
+        with pytest.raises(CheckpointError, match="config.json belongs to them"):
+            export_bundle(bad, out, progress=None)
+        _cli_fails(["export", "--model", str(bad), "--out", str(out)], capsys, needle)
+        assert _nothing_written(out)
+
+
 def test_missing_config_and_tokenizer(tiny_checkpoints, tmp_path):
     target, _ = tiny_checkpoints("gpt2")
     no_cfg = tmp_path / "no_cfg"
