@@ -60,8 +60,11 @@ DEFAULT_MAX_NEW_TOKENS = 96  # per prompt; the demo's follow-up suggestion check
 
 
 def parse_list(text: str, cast, name: str) -> list:
+    items = text.split(",")
+    if any(not x.strip() for x in items) and any(x.strip() for x in items):  # all blank: "is empty" below
+        raise InvalidArgumentError(f"--{name} has an empty item ({text!r}); separate values with single commas, e.g. 2,4,auto")
     try:
-        values = [cast(x) for x in text.split(",") if x.strip()]
+        values = [cast(x) for x in items if x.strip()]
     except InvalidArgumentError:
         raise
     except ValueError:

@@ -89,7 +89,8 @@ def check_writable(dest: Path, flag: str = "--out") -> None:
             os.rmdir(tempfile.mkdtemp(prefix=".edgespec-probe-", dir=parent))
             return
         except OSError as exc:
-            reason = exc.strerror or str(exc)
+            # e.g. /proc answers ENOENT: say what was tried, not only the errno's words
+            reason = f"creating a folder in it failed: {exc.strerror or exc}"
     elif parent.is_dir():
         reason = "no write permission"
     raise OutputPathError(f"cannot write {flag} {str(dest)!r}: {str(parent)!r} is not a writable folder ({reason}); "

@@ -64,13 +64,16 @@ PROVIDER_ALIASES: dict[str, str] = {
     "webnn": "WebNNExecutionProvider",
 }
 _ORT_TO_ALIAS = {v: k for k, v in PROVIDER_ALIASES.items()}
+# Providers that run no ordinary operator (Azure's runs remote-endpoint ops only): asked for, every
+# node of a bundle would silently run on the CPU fallback. Refused, and not listed as available.
+NOT_COMPUTE = frozenset({"AzureExecutionProvider"})
 
 
 def available_providers() -> list[str]:
-    """Short names (or ORT names when there is no short one) of the providers this onnxruntime has."""
+    """Short names (or ORT names when there is no short one) of the compute providers this onnxruntime has."""
     import onnxruntime as ort
 
-    return [_ORT_TO_ALIAS.get(p, p) for p in ort.get_available_providers()]
+    return [_ORT_TO_ALIAS.get(p, p) for p in ort.get_available_providers() if p not in NOT_COMPUTE]
 
 
 def provider_names(names: Sequence[str] | str) -> list[str]:
@@ -95,6 +98,10 @@ def resolve_providers(names: Sequence[str] | str) -> tuple[str, ...]:
             raise ProviderError(
                 f"unknown execution provider {name!r}: use a short name ({', '.join(PROVIDER_ALIASES)}) or ONNX "
                 f"Runtime's own (e.g. CUDAExecutionProvider); available in this build: {', '.join(available_providers())}")
+        if ort_name in NOT_COMPUTE:
+            raise ProviderError(
+                f"execution provider {name!r} runs only ONNX Runtime's remote-call operators, none of a model's, so "
+                f"every node would fall back to the CPU; choose a compute provider: {', '.join(available_providers())}")
         if ort_name not in have:
             raise ProviderError(
                 f"execution provider {name!r} is not available in this onnxruntime build; available: "

@@ -199,7 +199,8 @@ def test_bench_bad_input(tiny_bundle, tmp_path, capsys):
     latin.write_bytes(b"the fox \xff\xfe\n---\none two\n")
     for extra, needle in ((["--prompts", str(latin)], "is not UTF-8 text"), (["--gammas", ""], "--gammas is empty"),
                           (["--temperatures", " , "], "--temperatures is empty"),
-                          (["--gammas", "1,2,1"], "lists a value twice")):
+                          (["--gammas", "1,2,1"], "lists a value twice"), (["--gammas", "2,,3"], "has an empty item"),
+                          (["--temperatures", "0,"], "--temperatures has an empty item")):
         assert main(["bench", str(tiny_bundle("llama")), "--repeats", "1", *extra]) == 2, extra
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, (extra, err)

@@ -248,6 +248,9 @@ def test_unwritable_output_and_xla_flags(tiny_checkpoints, tmp_path, monkeypatch
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
     _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o" / "b")], capsys, "is not a writable folder")
     assert _nothing_written(tmp_path / "o")
+    if Path("/proc/self").is_dir():  # a folder that exists but where nothing can be made (procfs: ENOENT)
+        _cli_fails(["export", "--model", str(target), "--out", "/proc/edgespec-out"], capsys,
+                   "'/proc' is not a writable folder (creating a folder in it failed: ")
 
 
 def test_output_inside_input(tiny_checkpoints, tmp_path):

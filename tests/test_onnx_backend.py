@@ -7,7 +7,7 @@ import pytest
 from edgespec.backend import Backend
 from edgespec.bundle import load_bundle
 from edgespec.errors import InvalidArgumentError, PromptTooLongError, ProviderError
-from edgespec.runtimes.onnx_backend import SessionConfig, open_backend, resolve_providers
+from edgespec.runtimes.onnx_backend import SessionConfig, available_providers, open_backend, resolve_providers
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +76,11 @@ def test_providers():
     with pytest.raises(ProviderError, match="unknown execution provider 'no-such-ep': use a short name") as e:
         resolve_providers(["no-such-ep"])
     assert "onnxruntime-gpu" not in str(e.value)       # an unknown name is a typo, not a missing package
+    # Azure's provider (installed with the CPU wheel) runs no model operator: refused, never listed
+    for name in ("azure", "AzureExecutionProvider"):
+        with pytest.raises(ProviderError, match="every node would fall back to the CPU; choose a compute provider: .*cpu"):
+            resolve_providers([name, "cpu"])
+    assert "azure" not in available_providers() and "cpu" in available_providers()
     with pytest.raises(InvalidArgumentError, match="threads"):
         SessionConfig(intra_op_threads=-1)
 
