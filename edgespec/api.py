@@ -170,7 +170,8 @@ class TextStream:
     """Iterator over ``StreamChunk`` s as tokens are committed; ``.result`` once it is exhausted.
 
     The stream holds its engine from its first step until it is exhausted or closed (``close()``,
-    a ``with`` block, or leaving a ``for`` loop over it early)."""
+    a ``with`` block, or leaving a ``for`` loop over it early). ``next(stream)`` takes one chunk at a
+    time and keeps the stream open between calls (a ``for`` loop over it then goes on from there)."""
 
     def __init__(self, blocks, detok: _Detokenizer | None, finish, guard: _EngineGuard | None = None):
         self._blocks, self._detok, self._finish, self._guard = blocks, detok, finish, guard
@@ -178,6 +179,12 @@ class TextStream:
         self._lease: _Lease | None = None
         self._closed = False
         self._steps_ref: weakref.ref | None = None
+        self._held: Iterator[StreamChunk] | None = None  # the iterator next(stream) uses, held strongly
+
+    def __next__(self) -> StreamChunk:
+        if self._held is None:
+            self._held = iter(self)
+        return next(self._held)
 
     def __iter__(self) -> Iterator[StreamChunk]:
         # One pass: iterating again goes on where a live iterator stopped (``it = iter(s); next(it);
@@ -188,8 +195,10 @@ class TextStream:
             return steps
         if self._steps_ref is not None and (self._closed or self._result is not None):
             if self._result is None:
-                raise InvalidArgumentError("the stream was closed before it finished, so it cannot be iterated again; "
-                                           "call generate(..., stream=True) again")
+                raise InvalidArgumentError(
+                    "the stream was closed before it finished, so it cannot be iterated again (closing it, leaving a "
+                    "for loop over it early or dropping its iterator, as next(iter(stream)) does, ends it); call "
+                    "generate(..., stream=True) again, and use next(stream) to take one chunk at a time")
             return iter(())  # finished: nothing more
         steps = self._steps()
         self._steps_ref = weakref.ref(steps)

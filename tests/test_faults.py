@@ -265,6 +265,18 @@ def test_second_stream_in_the_same_thread_supersedes_the_first(engine, tiny_bund
         fourth.result
     with pytest.raises(InvalidArgumentError, match="closed before it finished, so it cannot be iterated again"):
         iter(fourth)
+    # next(stream) holds its iterator: the stream stays open between calls and a loop goes on from there;
+    # next(iter(stream)) drops the iterator it made, which ends the stream, and the error says so
+    fifth = engine.generate(PROMPT, seed=2, stream=True, **KW)
+    head = [next(fifth), next(fifth)]
+    assert [*head, *fifth] == list(engine.generate(PROMPT, seed=2, stream=True, **KW))
+    assert fifth.result.ids == ref[2]
+    with pytest.raises(StopIteration):
+        next(fifth)
+    sixth = engine.generate(PROMPT, seed=2, stream=True, **KW)
+    next(iter(sixth))
+    with pytest.raises(InvalidArgumentError, match=r"dropping its iterator, as next\(iter\(stream\)\) does.*next\(stream\)"):
+        list(sixth)
 
 
 def test_busy_timeout_refuses_clearly(engine, tiny_bundle):
