@@ -22,20 +22,22 @@ from .checkpoint import Checkpoint
 TRACE_NEW_TOKENS = 3  # tokens fed to the with-past decoder while tracing (any value > 1 works)
 
 
-def load_torch_model(ckpt: Checkpoint):
+def load_torch_model(ckpt: Checkpoint, progress_bar: bool = True):
     """Load a checkpoint from safetensors only (``use_safetensors=True``: never unpickle)."""
-    return load_torch_model_at(ckpt.path, ckpt.kind == contract.KIND_SEQ2SEQ)
+    return load_torch_model_at(ckpt.path, ckpt.kind == contract.KIND_SEQ2SEQ, progress_bar)
 
 
-def load_torch_model_at(path: Path, seq2seq: bool):
+def load_torch_model_at(path: Path, seq2seq: bool, progress_bar: bool = True):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from transformers.utils import logging as hf_logging
 
     cls = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # its "weights not initialized / not used" warnings: refused below instead
+    if not progress_bar:
+        hf_logging.disable_progress_bar()
     try:
         model, info = cls.from_pretrained(str(path), use_safetensors=True, local_files_only=True, dtype=torch.float32,
                                           output_loading_info=True)
@@ -47,6 +49,8 @@ def load_torch_model_at(path: Path, seq2seq: bool):
         raise CheckpointError(f"cannot load the model in {str(path)!r} ({text[:300]}); {advice}") from exc
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     # transformers fills parameters the files lack with random values and drops tensors the model
     # has no place for, with a warning only; the validation would then compare ONNX against the
     # same wrong model and pass. (Tied weights and buffers it knows to skip are not listed.)

@@ -142,6 +142,23 @@ def test_config_with_more_or_fewer_layers_than_the_weights(tiny_checkpoints, tmp
         assert _nothing_written(out)
 
 
+def test_quiet_silences_transformers_too(tiny_checkpoints, tmp_path, capsys):
+    """--quiet: no progress line, and no progress bar of transformers' over a sharded checkpoint
+    (which shows without --quiet)."""
+    from transformers import AutoModelForCausalLM
+
+    target, _ = tiny_checkpoints("llama")
+    sharded = tmp_path / "sharded"
+    shutil.copytree(target, sharded)
+    (sharded / "model.safetensors").unlink()
+    AutoModelForCausalLM.from_pretrained(target).save_pretrained(sharded, max_shard_size="20KB", safe_serialization=True)
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    assert main(["export", "--model", str(sharded), "--out", str(tmp_path / "loud")]) == 0
+    assert "Loading checkpoint shards" in capsys.readouterr().err
+    assert main(["export", "--model", str(sharded), "--out", str(tmp_path / "quiet"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_missing_config_and_tokenizer(tiny_checkpoints, tmp_path):
     target, _ = tiny_checkpoints("gpt2")
     no_cfg = tmp_path / "no_cfg"
