@@ -1,4 +1,4 @@
-"""``edgespec generate BUNDLE --prompt ...``: stream text from a bundle (torch is never imported)."""
+"""``edgespec generate BUNDLE --prompt ... | --prompt-file PATH``: stream text from a bundle (torch is never imported)."""
 from __future__ import annotations
 
 import argparse
@@ -17,7 +17,11 @@ _BRACKETS = {"accepted": ("[", "]"), "recovered": ("{", "}"), "bonus": ("<", ">"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bundle", help="bundle folder written by `edgespec export`")
-    parser.add_argument("--prompt", required=True, help="prompt text")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="prompt text")
+    source.add_argument("--prompt-file", metavar="PATH",
+                        help="read the prompt from a UTF-8 text file ('-': standard input), e.g. code that the "
+                             "output will repeat, for --draft ngram")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -125,12 +129,35 @@ def refuse_ort_flags(runtime: str, given: dict) -> None:
                                    f"drop {verb[2]} (--platform picks the XLA device)")
 
 
+def read_prompt(args: argparse.Namespace) -> str:
+    """--prompt's text, or --prompt-file's (a path, or '-' for standard input)."""
+    if args.prompt is not None:
+        return args.prompt
+    path = args.prompt_file
+    try:
+        if path == "-":
+            text = sys.stdin.buffer.read().decode("utf-8")
+        else:
+            with open(path, "rb") as f:
+                text = f.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgumentError(f"--prompt-file {path!r} is not UTF-8 text (byte {exc.start}); convert it to "
+                                   "UTF-8") from None
+    except OSError as exc:
+        raise InvalidArgumentError(f"cannot read --prompt-file {path!r}: {exc.strerror or exc}; pass a readable text "
+                                   "file, or '-' for standard input") from None
+    if not text:
+        raise InvalidArgumentError(f"--prompt-file {path!r} is empty; the prompt needs at least one character")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     from .api import default_target_threads, load
     from .report import json_safe
 
     gamma = parse_gamma(args.gamma)
     _check_flags(args, gamma)
+    prompt = read_prompt(args)  # before the bundle's seconds of loading
     spin = False if args.no_spin else None
     threads = default_target_threads(args.draft == "lookahead") if args.threads is None else args.threads
     engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=threads,
@@ -153,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[note: --lenience {args.lenience:g} < 1 is not exact: the output is not distributed as the target's "
               "(Appendix A.5); 1 is exact]", file=sys.stderr)
     if args.json or args.show_drafts:
-        out = engine.generate(args.prompt, **kwargs)
+        out = engine.generate(prompt, **kwargs)
         if args.json:
             print(json.dumps(json_safe({
                 "text": out.text, "prompt_ids": out.prompt_ids, "ids": out.ids, "sources": out.sources,
@@ -165,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
             print(render_marked(engine, out.ids, out.sources, color))
             _summary(out)
         return 0
-    stream = engine.generate(args.prompt, stream=True, **kwargs)
+    stream = engine.generate(prompt, stream=True, **kwargs)
     for chunk in stream:
         sys.stdout.write(chunk.text)
         sys.stdout.flush()

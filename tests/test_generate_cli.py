@@ -214,3 +214,35 @@ def test_gamma_on_a_single_model_bundle_is_an_error(bundle_copy, capsys):
     _fails(argv + ["--gamma", "3", "--show-drafts"], capsys, "so --gamma and --show-drafts have no effect")
     assert main(argv + ["--gamma", "3", "--draft", "ngram"]) == 0
     assert main(argv) == 0
+
+
+def test_prompt_file_and_stdin(tiny_bundle, tmp_path, capsys, monkeypatch):
+    """--prompt-file PATH (or '-': standard input) gives what --prompt gives with the same text; a
+    missing, empty or non-UTF-8 file, or both flags, exit 2 before the bundle loads."""
+    import io
+    import sys
+
+    b = str(tiny_bundle("gpt2"))
+    text = PROMPT + "\n  over the lazy dog\n"
+    argv = ["generate", b, "--temperature", "0", "--max-new-tokens", "6", "--json", "--threads", "1"]
+    assert main(argv + ["--prompt", text]) == 0
+    want = json.loads(capsys.readouterr().out)
+    f = tmp_path / "prompt.txt"
+    f.write_text(text, encoding="utf-8")
+    assert main(argv + ["--prompt-file", str(f)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["prompt_ids"] == want["prompt_ids"] and got["ids"] == want["ids"]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode("utf-8"))))
+    assert main(argv + ["--prompt-file", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == want["prompt_ids"]
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9")
+    (tmp_path / "empty.txt").write_text("")
+    for extra, needle in ((["--prompt-file", str(tmp_path / "nope.txt")], "cannot read --prompt-file"),
+                          (["--prompt-file", str(tmp_path / "latin.txt")], "is not UTF-8 text (byte 3)"),
+                          (["--prompt-file", str(tmp_path / "empty.txt")], "is empty")):
+        _fails(argv + extra, capsys, needle)
+    for extra, needle in ((["--prompt-file", str(f), "--prompt", "x"], "not allowed with argument"),
+                          ([], "one of the arguments --prompt --prompt-file is required")):
+        with pytest.raises(SystemExit) as exit_:  # argparse's own usage errors
+            main(argv + extra)
+        assert exit_.value.code == 2 and needle in capsys.readouterr().err
