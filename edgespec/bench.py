@@ -15,7 +15,7 @@ from .errors import InvalidArgumentError, PromptTooLongError
 from .cli import at_least
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
-from .report import format_table, machine_description, plot, write_json
+from .report import OtherLoad, format_table, machine_description, other_load_note, plot, write_json
 
 
 @dataclass
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         if hasattr(backend, "warmup"):  # XLA: each artifact compiles on first use, which must not land in a timed call
             log(f"compiling the {name}'s XLA artifacts")
             backend.warmup()
-    t0 = time.perf_counter()
+    t0, load = time.perf_counter(), OtherLoad()
     # Settings that sample alike are measured side by side (one shared plain run per prompt), so
     # they can be compared with each other too (adaptive vs static gamma below).
     try:
@@ -198,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         raise PromptTooLongError(f"{exc} ({which}: pass --prompts FILE with shorter prompts, or lower "
                                  "--max-new-tokens)") from None
     rows = [r.summary() for r in results]
+    others = load.cores()
     print(format_table(rows))
     versus = adaptive_vs_static(results)
     for v in versus:
@@ -213,12 +214,16 @@ def run(args: argparse.Namespace) -> int:
                   "drafted rounds)")
     note = hardware_counters_note()
     print(note)
+    busy = other_load_note(others)
+    if busy:
+        print(f"warning: {busy}")
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
                "providers": args.provider, "threads": threads, "draft_threads": draft_threads,
                "platform": args.platform, "verify_width": ob.verify_width,
                "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
                "spin": args.spin, "huge_pages": not args.no_huge_pages, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
+               "other_cpu_load_cores": others,
                "hardware_counters": note, "results": rows, "adaptive_vs_static": versus,
                "command": "edgespec bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "edgespec bench"}
     if args.out is not None:

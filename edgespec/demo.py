@@ -18,7 +18,7 @@ from .errors import BundleError, InvalidArgumentError
 from .cli import at_least
 from .measure import Setting, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
-from .report import machine_description
+from .report import OtherLoad, machine_description, other_load_note
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -130,12 +130,13 @@ def run(args: argparse.Namespace) -> int:
     ob = open_bundle(bundle, engine=eng)  # the same sessions, wrapped in read counters
     prompts = [fit(p) for p in CODE_PROMPTS[:4]]
     eos = tuple(ob.manifest.target.eos_token_ids)
-    rows = []
+    rows, load = [], OtherLoad()
     for temperature in (0.0, 1.0):  # the gammas side by side, sharing each prompt's plain run
         settings = [Setting(g, SamplingConfig(temperature)) for g in gammas]
         rows += [r.summary() for r in run_settings(ob.target, ob.draft, prompts, settings, args.max_new_tokens,
                                                    args.repeats, eos_token_ids=eos, seed=args.seed, progress=log,
                                                    vocab_size=ob.manifest.sample_vocab_size)]
+    others = load.cores()
     m = ob.manifest
     mach = machine_description()
     print(f"edgespec demo: {args.preset} pair in {pair_dir}")
@@ -150,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         _print_row(row, auto_shown=None in gammas)
     print(f"\n{hardware_counters_note()}")
+    busy = other_load_note(others)
+    if busy:
+        print(f"warning: {busy}")
     longest = max(len(eng.encode(p)) for p in CODE_PROMPTS)
     fits = longest + DEFAULT_MAX_NEW_TOKENS <= eng.manifest.target.max_positions  # bench's prompts, untrimmed
     print(f"total demo time {time.perf_counter() - t_all:.0f} s. Next: `edgespec bench {shlex.quote(str(bundle))}"

@@ -17,6 +17,48 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+class OtherLoad:
+    """The CPU time that other processes (and, in a VM, the hypervisor's steal) took while this
+    process measured, in cores: (busy CPU time of the whole machine from /proc/stat - this process's
+    own CPU time) / wall time, between construction and ``cores()``. Timings of a busy machine are
+    low and noisy, and ONNX Runtime's spin-waiting threads suffer most from it; bench and demo say
+    so instead of leaving the reader to guess. None where /proc/stat is missing (not Linux)."""
+
+    def __init__(self, stat: str = "/proc/stat"):
+        self._stat = stat
+        self._start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        import time
+
+        try:
+            with open(self._stat) as f:
+                fields = f.readline().split()
+            # cpu user nice system idle iowait irq softirq steal ... (USER_HZ ticks; guest is inside user)
+            ticks = [int(x) for x in fields[1:9]]
+        except (OSError, ValueError, IndexError):
+            return None
+        busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6] + ticks[7]
+        return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
+
+    def cores(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None or end[2] - self._start[2] < 0.5:  # too short for 10 ms ticks
+            return None
+        busy, own, wall = (e - s for e, s in zip(end, self._start))
+        return max(0.0, (busy - own) / wall)
+
+
+def other_load_note(cores: float | None) -> str | None:
+    """A warning line when other work took a noticeable share of the machine during a measurement."""
+    n = usable_cores()
+    if cores is None or cores < 0.25 or n != os.cpu_count():  # in a container /proc/stat counts the host's cores
+        return None
+    return (f"the machine was busy: other processes took {cores:.2f} of its {n} cores on average while this ran, "
+            "so tokens/s are lower and noisier than on an idle machine (ratios are still side by side); stop "
+            "other work and measure again")
+
+
 def machine_description() -> dict:
     import numpy as np
 

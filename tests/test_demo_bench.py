@@ -63,6 +63,7 @@ def test_bench_writes_table_json_and_plots(tiny_bundle, tmp_path, capsys):
     assert "Thm3.8" in out and "model gamma=auto T=1" in out
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert len(data["results"]) == 6 and data["machine"]["cpu_count"] >= 1
+    assert "other_cpu_load_cores" in data  # None where the run was too short to tell
     for r in data["results"]:
         assert len(r["speedup_all"]) == 2 and r["plain_tokens_per_s"] > 0
         assert r["target_read_reduction"] > 0 and sum(r["accepted_hist"]) > 0
@@ -726,3 +727,33 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
     if subprocess.run(["git", "cat-file", "-e", "c3986e0"], cwd=pab.ROOT, capture_output=True).returncode == 0:
         with pytest.raises(SystemExit, match="predates plain steps"):   # (a shallow clone lacks it)
             pab.policy_class("c3986e0")  # before draft_next / record_plain
+
+
+def test_other_load_counts_other_processes_not_this_one(tmp_path):
+    """OtherLoad: the machine's busy CPU time from /proc/stat (user, nice, system, irq, softirq,
+    steal; not idle or iowait) minus this process's own, over the wall time; the note appears only
+    above a quarter of a core. (A fake /proc/stat: under pytest -n 2 the real one also counts the
+    other worker.)"""
+    import os
+    import time
+
+    from edgespec.report import OtherLoad, other_load_note
+
+    stat = tmp_path / "stat"
+    hz = os.sysconf("SC_CLK_TCK")
+    stat.write_text("cpu  1000 10 200 5000 50 5 5 20 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    load = OtherLoad(str(stat))
+    t0, own0 = time.perf_counter(), time.process_time()
+    while time.perf_counter() - t0 < 0.6:  # this process busy: its own time is taken out
+        pass
+    own = time.process_time() - own0
+    # + 1.0 s of others' user time and 0.5 s of steal; idle and iowait do not count
+    stat.write_text(f"cpu  {1000 + hz} 10 200 {5000 + 9 * hz} {50 + hz} 5 5 {20 + hz // 2} 0 0\n")
+    cores = load.cores()
+    wall = time.perf_counter() - t0
+    assert cores == pytest.approx(max(0.0, (hz + hz // 2) / hz - own) / wall, abs=0.15), (cores, own, wall)
+    assert OtherLoad(str(tmp_path / "none")).cores() is None                 # no /proc/stat: nothing said
+    assert OtherLoad().cores() is None                # under half a second: 10 ms ticks say too little
+    assert other_load_note(0.1) is None and other_load_note(None) is None
+    if os.cpu_count() == len(os.sched_getaffinity(0)):
+        assert "other processes took 0.90 of its" in other_load_note(0.9)
