@@ -157,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
 
     gamma = parse_gamma(args.gamma)
     _check_flags(args, gamma)
+    if args.seed is not None and args.seed < 0:
+        raise InvalidArgumentError(f"--seed must be an integer >= 0 (or left out for a fresh seed); got {args.seed}")
     prompt = read_prompt(args)  # before the bundle's seconds of loading
     spin = False if args.no_spin else None
     threads = default_target_threads(args.draft == "lookahead") if args.threads is None else args.threads
@@ -164,6 +166,10 @@ def run(args: argparse.Namespace) -> int:
                   draft_threads=1 if args.draft_threads is None else args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",
                   runtime=args.runtime, platform=args.platform, huge_pages=not args.no_huge_pages)
+    if not engine.has_draft and args.draft in ("lookahead", "hybrid") and not args.no_draft:
+        raise InvalidArgumentError(f"--draft {args.draft} drafts with the bundle's draft model, and {args.bundle} has "
+                                   "none; use --draft ngram (prompt lookup, no model) or --no-draft, or export the "
+                                   "bundle with --draft")
     if not engine.has_draft and args.draft != "ngram" and not args.no_draft:
         idle = [f for f, on in (("--gamma", gamma is not None), ("--show-drafts", args.show_drafts)) if on]
         if idle:

@@ -63,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     if args.model and (args.target or args.draft):
         raise InvalidArgumentError("use either --model DIR (single model) or --target DIR [--draft DIR], not both")
     target = args.model or args.target
+    if not target and args.draft:
+        raise InvalidArgumentError("--draft DIR needs the target it drafts for: add --target DIR (a draft alone "
+                                   "exports as a single model with --model DIR)")
     if not target:
         raise InvalidArgumentError("nothing to export: pass --target DIR (and --draft DIR), or --model DIR")
     if args.quantize_draft is not None and not args.draft:

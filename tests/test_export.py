@@ -120,6 +120,8 @@ def test_missing_folder(tmp_path, capsys):
     with pytest.raises(CheckpointError, match="does not exist"):
         export_bundle(tmp_path / "nope", out, progress=None)
     _cli_fails(["export", "--model", str(tmp_path / "nope"), "--out", str(out)], capsys, "does not exist")
+    _cli_fails(["export", "--draft", str(tmp_path / "nope"), "--out", str(out)], capsys, "--draft DIR needs the target")
+    _cli_fails(["export", "--out", str(out)], capsys, "nothing to export")
     assert _nothing_written(out)
 
 

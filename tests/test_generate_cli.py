@@ -105,6 +105,7 @@ def test_cli_errors(tmp_path, tiny_bundle, bundle_copy, capsys):
     _fails(["generate", good, "--prompt", "x", "--gamma", "many"], capsys, "--gamma")
     _fails(["generate", good, "--prompt", "x", "--temperature", "-1"], capsys, "temperature")
     _fails(["generate", good, "--prompt", ""], capsys, "empty")
+    _fails(["generate", good, "--prompt", "x", "--seed", "-1"], capsys, "--seed must be an integer >= 0")
 
     b = bundle_copy()
     data = json.loads((b / contract.MANIFEST_NAME).read_text())
@@ -212,6 +213,8 @@ def test_gamma_on_a_single_model_bundle_is_an_error(bundle_copy, capsys):
     _fails(argv + ["--gamma", "3"], capsys, "has no draft model, so --gamma has no effect")
     _fails(argv + ["--show-drafts"], capsys, "has no draft model, so --show-drafts has no effect")
     _fails(argv + ["--gamma", "3", "--show-drafts"], capsys, "so --gamma and --show-drafts have no effect")
+    for drafter in ("lookahead", "hybrid"):  # CLI words, not the API's drafter='...'
+        _fails(argv + ["--draft", drafter], capsys, f"--draft {drafter} drafts with the bundle's draft model, and ")
     assert main(argv + ["--gamma", "3", "--draft", "ngram"]) == 0
     assert main(argv) == 0
 
