@@ -35,10 +35,10 @@ class OtherLoad:
             with open(self._stat) as f:
                 fields = f.readline().split()
             # cpu user nice system idle iowait irq softirq steal ... (USER_HZ ticks; guest is inside user)
-            ticks = [int(x) for x in fields[1:9]]
-        except (OSError, ValueError, IndexError):
+            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+        except (OSError, ValueError):  # no /proc/stat, or a first line of another shape
             return None
-        busy = ticks[0] + ticks[1] + ticks[2] + ticks[5] + ticks[6] + ticks[7]
+        busy = user + nice + system + irq + softirq + steal
         return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
 
     def cores(self) -> float | None:

@@ -753,6 +753,8 @@ def test_other_load_counts_other_processes_not_this_one(tmp_path):
     wall = time.perf_counter() - t0
     assert cores == pytest.approx(max(0.0, (hz + hz // 2) / hz - own) / wall, abs=0.15), (cores, own, wall)
     assert OtherLoad(str(tmp_path / "none")).cores() is None                 # no /proc/stat: nothing said
+    (tmp_path / "short").write_text("cpu 1 2 3\n")
+    assert OtherLoad(str(tmp_path / "short"))._start is None                  # a line of another shape: the same
     assert OtherLoad().cores() is None                # under half a second: 10 ms ticks say too little
     assert other_load_note(0.1) is None and other_load_note(None) is None
     if os.cpu_count() == len(os.sched_getaffinity(0)):
