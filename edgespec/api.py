@@ -166,18 +166,57 @@ _SUPERSEDED = ("this stream was superseded: a later generate call or engine.clos
                "before starting another generate call, or start this generation again")
 
 
+class _StreamCore:
+    """What a stream's generator works on: the blocks, the engine lease, the result. The generator
+    refers to this, never to the TextStream, so that dropping a stream (even one whose iterator
+    ``next(stream)`` holds) frees it at once and its ``__del__`` gives the engine back."""
+
+    def __init__(self, blocks, detok: _Detokenizer | None, finish, guard: _EngineGuard | None):
+        self.blocks, self.detok, self.finish, self.guard = blocks, detok, finish, guard
+        self.result: GenerationOutput | None = None
+        self.lease: _Lease | None = None
+        self.closed = False
+
+    def steps(self) -> Iterator[StreamChunk]:
+        try:
+            if self.closed:
+                return
+            if self.guard is not None:
+                self.lease = self.guard.acquire()
+            lease = self.lease
+            while not self.closed:
+                if lease is not None and lease.revoked:
+                    raise EngineBusyError(_SUPERSEDED)
+                try:
+                    block = next(self.blocks)
+                except StopIteration as stop:
+                    self.result = self.finish(stop.value)
+                    tail = self.detok.flush() if self.detok is not None else ""
+                    if tail:  # generation ended inside a multi-byte character: its bytes decode as U+FFFD
+                        yield StreamChunk(tail, [])
+                    return
+                # without a detokenizer (the non-streaming call) no text is decoded per block
+                yield StreamChunk(self.detok.push(block) if self.detok is not None else "", list(block))
+        finally:  # exhausted, error, KeyboardInterrupt in the consumer, break (generator closed), or GC
+            self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        lease, self.lease = self.lease, None
+        if self.guard is not None:
+            self.guard.release(lease)
+
+
 class TextStream:
     """Iterator over ``StreamChunk`` s as tokens are committed; ``.result`` once it is exhausted.
 
     The stream holds its engine from its first step until it is exhausted or closed (``close()``,
-    a ``with`` block, or leaving a ``for`` loop over it early). ``next(stream)`` takes one chunk at a
-    time and keeps the stream open between calls (a ``for`` loop over it then goes on from there)."""
+    a ``with`` block, dropping the stream, or leaving a ``for`` loop over it early). ``next(stream)``
+    takes one chunk at a time and keeps the stream open between calls: a ``for`` loop over it then
+    goes on from there, and leaving that loop early no longer ends it (``close()`` does)."""
 
     def __init__(self, blocks, detok: _Detokenizer | None, finish, guard: _EngineGuard | None = None):
-        self._blocks, self._detok, self._finish, self._guard = blocks, detok, finish, guard
-        self._result: GenerationOutput | None = None
-        self._lease: _Lease | None = None
-        self._closed = False
+        self._core = _StreamCore(blocks, detok, finish, guard)
         self._steps_ref: weakref.ref | None = None
         self._held: Iterator[StreamChunk] | None = None  # the iterator next(stream) uses, held strongly
 
@@ -190,49 +229,27 @@ class TextStream:
         # One pass: iterating again goes on where a live iterator stopped (``it = iter(s); next(it);
         # for c in s``). Only a weak reference is kept, so that an iterator dropped early (leaving a
         # for loop with break) is collected, which closes the stream and gives the engine back.
+        core = self._core
         steps = self._steps_ref() if self._steps_ref is not None else None
-        if steps is not None:
+        if steps is not None and not core.closed:
             return steps
-        if self._steps_ref is not None and (self._closed or self._result is not None):
-            if self._result is None:
+        if self._steps_ref is not None and (core.closed or core.result is not None):
+            if core.result is None:
                 raise InvalidArgumentError(
                     "the stream was closed before it finished, so it cannot be iterated again (closing it, leaving a "
                     "for loop over it early or dropping its iterator, as next(iter(stream)) does, ends it); call "
                     "generate(..., stream=True) again, and use next(stream) to take one chunk at a time")
             return iter(())  # finished: nothing more
-        steps = self._steps()
+        steps = core.steps()
         self._steps_ref = weakref.ref(steps)
         return steps
 
-    def _steps(self) -> Iterator[StreamChunk]:
-        try:
-            if self._closed:
-                return
-            if self._guard is not None:
-                self._lease = self._guard.acquire()
-            lease = self._lease
-            while not self._closed:
-                if lease is not None and lease.revoked:
-                    raise EngineBusyError(_SUPERSEDED)
-                try:
-                    block = next(self._blocks)
-                except StopIteration as stop:
-                    self._result = self._finish(stop.value)
-                    tail = self._detok.flush() if self._detok is not None else ""
-                    if tail:  # generation ended inside a multi-byte character: its bytes decode as U+FFFD
-                        yield StreamChunk(tail, [])
-                    return
-                # without a detokenizer (the non-streaming call) no text is decoded per block
-                yield StreamChunk(self._detok.push(block) if self._detok is not None else "", list(block))
-        finally:  # exhausted, error, KeyboardInterrupt in the consumer, break (generator closed), or GC
-            self.close()
-
     def close(self) -> None:
         """Stop generating and give the engine back (idempotent)."""
-        self._closed = True
-        lease, self._lease = self._lease, None
-        if self._guard is not None:
-            self._guard.release(lease)
+        self._core.close()
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()  # its generator ends here (a closed stream's next() then says it was closed)
 
     def __enter__(self) -> "TextStream":
         return self
@@ -241,19 +258,25 @@ class TextStream:
         self.close()
 
     def __del__(self) -> None:
+        # A for loop over a temporary stream (for c in engine.generate(..., stream=True)) holds only
+        # the generator: that one lives on, and ends (closing the core) when it is exhausted or dropped.
         try:
-            self.close()
+            held, self._held = self._held, None
+            if held is not None:
+                held.close()          # its generator's finally closes the core
+            elif self._steps_ref is None or self._steps_ref() is None:
+                self._core.close()
         except Exception:
             pass
 
     @property
     def result(self) -> GenerationOutput:
-        if self._result is None and self._closed:
+        if self._core.result is None and self._core.closed:
             raise InvalidArgumentError("the stream was closed before it finished, so it has no result; "
                                        "start the generation again and iterate over it to the end")
-        if self._result is None:
+        if self._core.result is None:
             raise InvalidArgumentError("the stream is not finished: iterate over it to the end before reading .result")
-        return self._result
+        return self._core.result
 
 
 _MAX_POLICIES = 32  # adaptive policies an engine keeps (one per sampling setting seen)

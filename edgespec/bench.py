@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import SamplingConfig
-from .errors import InvalidArgumentError, PromptTooLongError
+from .errors import EdgeSpecWarning, InvalidArgumentError, PromptTooLongError
 from .cli import at_least
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
@@ -62,7 +63,8 @@ DEFAULT_MAX_NEW_TOKENS = 96  # per prompt; the demo's follow-up suggestion check
 def parse_list(text: str, cast, name: str) -> list:
     items = text.split(",")
     if any(not x.strip() for x in items) and any(x.strip() for x in items):  # all blank: "is empty" below
-        raise InvalidArgumentError(f"--{name} has an empty item ({text!r}); separate values with single commas, e.g. 2,4,auto")
+        raise InvalidArgumentError(f"--{name} has an empty item ({text!r}); separate values with single commas: "
+                                   f"{','.join(x.strip() for x in items if x.strip())}")
     try:
         values = [cast(x) for x in items if x.strip()]
     except InvalidArgumentError:
@@ -186,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         if hasattr(backend, "warmup"):  # XLA: each artifact compiles on first use, which must not land in a timed call
             log(f"compiling the {name}'s XLA artifacts")
             backend.warmup()
-    t0, load = time.perf_counter(), OtherLoad()
+    t0, others_cpu = time.perf_counter(), OtherLoad()
     # Settings that sample alike are measured side by side (one shared plain run per prompt), so
     # they can be compared with each other too (adaptive vs static gamma below).
     try:
@@ -198,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
         raise PromptTooLongError(f"{exc} ({which}: pass --prompts FILE with shorter prompts, or lower "
                                  "--max-new-tokens)") from None
     rows = [r.summary() for r in results]
-    others = load.cores()
+    others = others_cpu.cores()
     print(format_table(rows))
     versus = adaptive_vs_static(results)
     for v in versus:
@@ -215,8 +217,8 @@ def run(args: argparse.Namespace) -> int:
     note = hardware_counters_note()
     print(note)
     busy = other_load_note(others)
-    if busy:
-        print(f"warning: {busy}")
+    if busy:  # after the table, on stderr as every warning (EdgeSpecWarning)
+        warnings.warn(busy, EdgeSpecWarning, stacklevel=2)
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
                "providers": args.provider, "threads": threads, "draft_threads": draft_threads,
                "platform": args.platform, "verify_width": ob.verify_width,

@@ -10,11 +10,12 @@ import shlex
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from . import contract
 from .config import SamplingConfig
-from .errors import BundleError, InvalidArgumentError
+from .errors import BundleError, EdgeSpecWarning, InvalidArgumentError
 from .cli import at_least
 from .measure import Setting, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
@@ -84,7 +85,8 @@ def _print_row(row: dict, auto_shown: bool = False) -> None:
     elif row["gamma"] is not None and row["speedup"] < 1:
         print(f"    slower than plain decoding here: a verify call cost {_fmt(row['verify_cost_steps'], '.2f')} plain "
               "steps. Adaptive gamma (the default of `edgespec generate` and the API) takes plain steps where "
-              "drafting loses: " + ("its row below" if auto_shown else "`edgespec demo --gamma auto`"))
+              "drafting loses: " + ("the gamma auto row at this temperature" if auto_shown
+                                     else "`edgespec demo --gamma auto`"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,13 +132,13 @@ def run(args: argparse.Namespace) -> int:
     ob = open_bundle(bundle, engine=eng)  # the same sessions, wrapped in read counters
     prompts = [fit(p) for p in CODE_PROMPTS[:4]]
     eos = tuple(ob.manifest.target.eos_token_ids)
-    rows, load = [], OtherLoad()
+    rows, others_cpu = [], OtherLoad()
     for temperature in (0.0, 1.0):  # the gammas side by side, sharing each prompt's plain run
         settings = [Setting(g, SamplingConfig(temperature)) for g in gammas]
         rows += [r.summary() for r in run_settings(ob.target, ob.draft, prompts, settings, args.max_new_tokens,
                                                    args.repeats, eos_token_ids=eos, seed=args.seed, progress=log,
                                                    vocab_size=ob.manifest.sample_vocab_size)]
-    others = load.cores()
+    others = others_cpu.cores()
     m = ob.manifest
     mach = machine_description()
     print(f"edgespec demo: {args.preset} pair in {pair_dir}")
@@ -152,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
         _print_row(row, auto_shown=None in gammas)
     print(f"\n{hardware_counters_note()}")
     busy = other_load_note(others)
-    if busy:
-        print(f"warning: {busy}")
+    if busy:  # after the table, on stderr as every warning (EdgeSpecWarning)
+        warnings.warn(busy, EdgeSpecWarning, stacklevel=2)
     longest = max(len(eng.encode(p)) for p in CODE_PROMPTS)
     fits = longest + DEFAULT_MAX_NEW_TOKENS <= eng.manifest.target.max_positions  # bench's prompts, untrimmed
     print(f"total demo time {time.perf_counter() - t_all:.0f} s. Next: `edgespec bench {shlex.quote(str(bundle))}"

@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", metavar="PATH",
-                        help="read the prompt from a UTF-8 text file ('-': standard input), e.g. code that the "
-                             "output will repeat, for --draft ngram")
+                        help="read the prompt from a UTF-8 text file ('-': standard input), as written (a final "
+                             "newline is part of it), e.g. code that the output will repeat, for --draft ngram")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -136,10 +136,17 @@ def read_prompt(args: argparse.Namespace) -> str:
     path = args.prompt_file
     try:
         if path == "-":
-            text = sys.stdin.buffer.read().decode("utf-8")
+            if sys.stdin.isatty():
+                print("[reading the prompt from standard input; end it with Ctrl-D]", file=sys.stderr)
+            stdin = getattr(sys.stdin, "buffer", None)
+            data = stdin.read() if stdin is not None else sys.stdin.read().encode("utf-8")
         else:
             with open(path, "rb") as f:
-                text = f.read().decode("utf-8")
+                data = f.read()
+        if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+            raise InvalidArgumentError(f"--prompt-file {path!r} is UTF-16 text; convert it to UTF-8 (e.g. iconv -f "
+                                       "UTF-16 -t UTF-8)")
+        text = data.decode("utf-8-sig")  # as written, a final newline included; a UTF-8 byte-order mark is dropped
     except UnicodeDecodeError as exc:
         raise InvalidArgumentError(f"--prompt-file {path!r} is not UTF-8 text (byte {exc.start}); convert it to "
                                    "UTF-8") from None

@@ -18,45 +18,66 @@ def usable_cores() -> int:
 
 
 class OtherLoad:
-    """The CPU time that other processes (and, in a VM, the hypervisor's steal) took while this
-    process measured, in cores: (busy CPU time of the whole machine from /proc/stat - this process's
-    own CPU time) / wall time, between construction and ``cores()``. Timings of a busy machine are
-    low and noisy, and ONNX Runtime's spin-waiting threads suffer most from it; bench and demo say
-    so instead of leaving the reader to guess. None where /proc/stat is missing (not Linux)."""
+    """The CPU time that other processes (and, in a VM, the hypervisor's steal) took on the cores
+    this process may run on while it measured, in cores: (their busy time from /proc/stat - this
+    process's own CPU time) / wall time, between construction and ``cores()``. Timings of a busy
+    machine are low and noisy, and ONNX Runtime's spin-waiting threads suffer most from it; bench
+    and demo say so instead of leaving the reader to guess. None where it cannot be told: no
+    /proc/stat (not Linux), a run under half a second, or a cgroup CPU quota (a container limited by
+    time, not by cores, may run on any of the host's cores, which other tenants share)."""
 
-    def __init__(self, stat: str = "/proc/stat"):
-        self._stat = stat
-        self._start = self._sample()
+    def __init__(self, stat: str = "/proc/stat", cgroup: str = "/sys/fs/cgroup"):
+        self._stat, self._cgroup = stat, cgroup
+        self._cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)} if hasattr(os, "sched_getaffinity") else None
+        self._start = None if self._quota() else self._sample()
+
+    def _quota(self) -> bool:
+        """A CPU time quota is set (cgroup v2 cpu.max, or v1 cpu.cfs_quota_us)."""
+        for name, unlimited in (("cpu.max", "max"), ("cpu/cpu.cfs_quota_us", "-1")):
+            try:
+                with open(os.path.join(self._cgroup, name)) as f:
+                    return f.read().split()[0] != unlimited
+            except (OSError, IndexError):
+                continue
+        return False
 
     def _sample(self) -> tuple[float, float, float] | None:
         import time
 
+        busy, found = 0, False
         try:
             with open(self._stat) as f:
-                fields = f.readline().split()
-            # cpu user nice system idle iowait irq softirq steal ... (USER_HZ ticks; guest is inside user)
-            user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
-        except (OSError, ValueError):  # no /proc/stat, or a first line of another shape
+                lines = [line.split() for line in f if line.startswith("cpu")]
+        except OSError:
             return None
-        busy = user + nice + system + irq + softirq + steal
+        # the per-core lines of the cores this process may use; the all-cores line where those are missing
+        mine = [f for f in lines if self._cpus is not None and f[0] in self._cpus]
+        for fields in mine or [f for f in lines if f[0] == "cpu"]:
+            try:
+                # user nice system idle iowait irq softirq steal ... (USER_HZ ticks; guest is inside user)
+                user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+            except ValueError:  # a line of another shape
+                return None
+            busy, found = busy + user + nice + system + irq + softirq + steal, True
+        if not found:
+            return None
         return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
 
     def cores(self) -> float | None:
-        end = self._sample()
-        if self._start is None or end is None or end[2] - self._start[2] < 0.5:  # too short for 10 ms ticks
+        end = self._sample() if self._start is not None else None
+        if end is None or end[2] - self._start[2] < 0.5:  # too short for 10 ms ticks
             return None
         busy, own, wall = (e - s for e, s in zip(end, self._start))
         return max(0.0, (busy - own) / wall)
 
 
 def other_load_note(cores: float | None) -> str | None:
-    """A warning line when other work took a noticeable share of the machine during a measurement."""
-    n = usable_cores()
-    if cores is None or cores < 0.25 or n != os.cpu_count():  # in a container /proc/stat counts the host's cores
+    """A warning when other work took a noticeable share of this process's cores during a measurement."""
+    if cores is None or cores < 0.25:
         return None
-    return (f"the machine was busy: other processes took {cores:.2f} of its {n} cores on average while this ran, "
-            "so tokens/s are lower and noisier than on an idle machine (ratios are still side by side); stop "
-            "other work and measure again")
+    return (f"the machine was busy: other processes took {cores:.2f} of the {usable_cores()} cores this ran on, on "
+            "average, so tokens/s are lower and noisier than on an idle machine (ratios are still side by side); "
+            "stop other work and measure again")
 
 
 def machine_description() -> dict:

@@ -10,6 +10,7 @@ gamma + 1 tokens.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from pathlib import Path
@@ -22,35 +23,46 @@ from .checkpoint import Checkpoint
 TRACE_NEW_TOKENS = 3  # tokens fed to the with-past decoder while tracing (any value > 1 works)
 
 
-def load_torch_model(ckpt: Checkpoint, progress_bar: bool = True):
+@contextlib.contextmanager
+def transformers_progress_bars(enabled: bool):
+    """transformers' progress bars (loading a sharded checkpoint) on or off inside the block."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def load_torch_model(ckpt: Checkpoint):
     """Load a checkpoint from safetensors only (``use_safetensors=True``: never unpickle)."""
-    return load_torch_model_at(ckpt.path, ckpt.kind == contract.KIND_SEQ2SEQ, progress_bar)
+    return load_torch_model_at(ckpt.path, ckpt.kind == contract.KIND_SEQ2SEQ)
 
 
-def load_torch_model_at(path: Path, seq2seq: bool, progress_bar: bool = True):
+def load_torch_model_at(path: Path, seq2seq: bool):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from transformers.utils import logging as hf_logging
 
     cls = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its "weights not initialized / not used" warnings: refused below instead
-    if not progress_bar:
-        hf_logging.disable_progress_bar()
     try:
         model, info = cls.from_pretrained(str(path), use_safetensors=True, local_files_only=True, dtype=torch.float32,
                                           output_loading_info=True)
-    except (RuntimeError, ValueError, OSError, KeyError) as exc:
+    except (RuntimeError, ValueError, OSError, KeyError, TypeError, AttributeError) as exc:  # e.g. a config value of the wrong type
         text = " ".join(str(exc).split())  # torch's message spans lines (one per tensor): one line here
         mismatch = "size mismatch" in text or "shape" in text  # config.json describes other weights
         advice = ("check that config.json belongs to these weights, or save the checkpoint again" if mismatch
+                  else "check the values in config.json (one has the wrong type or is missing), or save the checkpoint "
+                  "again" if isinstance(exc, (TypeError, AttributeError))
                   else "save the checkpoint again with save_pretrained(..., safe_serialization=True)")
         raise CheckpointError(f"cannot load the model in {str(path)!r} ({text[:300]}); {advice}") from exc
     finally:
         hf_logging.set_verbosity(verbosity)
-        if bars:
-            hf_logging.enable_progress_bar()
     # transformers fills parameters the files lack with random values and drops tensors the model
     # has no place for, with a warning only; the validation would then compare ONNX against the
     # same wrong model and pass. (Tied weights and buffers it knows to skip are not listed.)

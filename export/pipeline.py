@@ -157,12 +157,12 @@ def _kv_layout(ckpt: Checkpoint, opts: ExportOptions) -> str:
 
 
 def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: str, opts: ExportOptions,
-                progress: Callable[[str], None], quiet: bool = False) -> tuple[ModelManifest, int]:
+                progress: Callable[[str], None]) -> tuple[ModelManifest, int]:
     from .onnx_export import export_graphs, load_torch_model
 
     t0 = time.perf_counter()
     progress(f"{role}: loading {ckpt.architecture} from {ckpt.path} (safetensors)")
-    model = load_torch_model(ckpt, progress_bar=not quiet)  # transformers' bar over a sharded checkpoint
+    model = load_torch_model(ckpt)
     rows = int(model.get_output_embeddings().weight.shape[0])
     vocab = load_vocab(ckpt.path)
     check_model_covers_tokenizer(vocab, rows, role)
@@ -281,9 +281,16 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
 
     ``xla``: keyword arguments of :func:`edgespec.export.xla.export_xla` (platforms, max_length,
     verify_width, ...) to also write jax.export artifacts into ``<role>/xla`` of the same bundle.
+    ``progress=None``: quiet, transformers' progress bars (loading a sharded checkpoint) included.
     """
-    quiet = progress is None
-    progress = progress or (lambda message: None)
+    from .onnx_export import transformers_progress_bars
+
+    with transformers_progress_bars(progress is not None):
+        return _export_bundle(target, out, draft, options, progress or (lambda message: None), xla)
+
+
+def _export_bundle(target, out, draft, options: ExportOptions, progress: Callable[[str], None],
+                   xla: dict | None) -> BundleManifest:
     roles: dict[str, Checkpoint] = {contract.ROLE_TARGET: inspect_checkpoint(target, contract.ROLE_TARGET)}
     if draft is None and options.quantize_draft != "none":
         raise InvalidArgumentError(f"quantize_draft={options.quantize_draft!r}: this export has no draft; pass draft=, or "
@@ -351,8 +358,7 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         models, opset = {}, 0
         for role, ckpt in roles.items():
             quant = options.quantize_target if role == contract.ROLE_TARGET else options.quantize_draft
-            models[role], model_opset = _export_one(ckpt, role, tmp / role, quant, layouts[role], options, progress,
-                                                            quiet)
+            models[role], model_opset = _export_one(ckpt, role, tmp / role, quant, layouts[role], options, progress)
             opset = max(opset, model_opset)  # the manifest's: the highest, what the runtime must support
         if draft is not None:
             # Actual embedding rows (config vocab_size may be absent or stale).

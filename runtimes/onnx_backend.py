@@ -79,7 +79,11 @@ def available_providers() -> list[str]:
 def provider_names(names: Sequence[str] | str) -> list[str]:
     """A provider list as given (comma-separated string or sequence), without blanks."""
     if isinstance(names, str):
-        names = [n for n in names.split(",") if n.strip()]
+        items = names.split(",")
+        if any(not n.strip() for n in items) and any(n.strip() for n in items):
+            raise ProviderError(f"the provider list {names!r} has an empty item; separate names with single commas: "
+                                f"{','.join(n.strip() for n in items if n.strip())}")
+        names = [n for n in items if n.strip()]
     return [n.strip() for n in names]
 
 
@@ -96,7 +100,8 @@ def resolve_providers(names: Sequence[str] | str) -> tuple[str, ...]:
         ort_name = PROVIDER_ALIASES.get(name.lower(), name)
         if ort_name not in have and ort_name not in set(ort.get_all_providers()) | set(PROVIDER_ALIASES.values()):
             raise ProviderError(
-                f"unknown execution provider {name!r}: use a short name ({', '.join(PROVIDER_ALIASES)}) or ONNX "
+                f"unknown execution provider {name!r}: use a short name "
+                f"({', '.join(a for a, o in PROVIDER_ALIASES.items() if o not in NOT_COMPUTE)}) or ONNX "
                 f"Runtime's own (e.g. CUDAExecutionProvider); available in this build: {', '.join(available_providers())}")
         if ort_name in NOT_COMPUTE:
             raise ProviderError(

@@ -63,7 +63,8 @@ def test_bench_writes_table_json_and_plots(tiny_bundle, tmp_path, capsys):
     assert "Thm3.8" in out and "model gamma=auto T=1" in out
     data = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert len(data["results"]) == 6 and data["machine"]["cpu_count"] >= 1
-    assert "other_cpu_load_cores" in data  # None where the run was too short to tell
+    busy = data["other_cpu_load_cores"]  # None where it cannot be told (e.g. a run too short)
+    assert busy is None or busy >= 0.0
     for r in data["results"]:
         assert len(r["speedup_all"]) == 2 and r["plain_tokens_per_s"] > 0
         assert r["target_read_reduction"] > 0 and sum(r["accepted_hist"]) > 0
@@ -200,7 +201,7 @@ def test_bench_bad_input(tiny_bundle, tmp_path, capsys):
     latin.write_bytes(b"the fox \xff\xfe\n---\none two\n")
     for extra, needle in ((["--prompts", str(latin)], "is not UTF-8 text"), (["--gammas", ""], "--gammas is empty"),
                           (["--temperatures", " , "], "--temperatures is empty"),
-                          (["--gammas", "1,2,1"], "lists a value twice"), (["--gammas", "2,,3"], "has an empty item"),
+                          (["--gammas", "1,2,1"], "lists a value twice"), (["--gammas", "2,,3"], "has an empty item ('2,,3'); separate values with single commas: 2,3"),
                           (["--temperatures", "0,"], "--temperatures has an empty item")):
         assert main(["bench", str(tiny_bundle("llama")), "--repeats", "1", *extra]) == 2, extra
         err = capsys.readouterr().err
@@ -242,7 +243,7 @@ def test_demo_says_when_speculation_loses_and_what_adaptive_gamma_did(capsys):
     out = capsys.readouterr().out
     assert "slower than plain decoding here: a verify call cost 2.04 plain steps" in out and "--gamma auto" in out
     _print_row({**base, "gamma": 4, "speedup": 0.8}, auto_shown=True)
-    assert "takes plain steps where drafting loses: its row below" in capsys.readouterr().out
+    assert "takes plain steps where drafting loses: the gamma auto row at this temperature" in capsys.readouterr().out
     _print_row({**base, "gamma": 4, "speedup": 1.3})
     assert "slower" not in capsys.readouterr().out
     _print_row({**base, "gamma": None, "speedup": 0.93, "mean_gamma": 1.2, "plain_step_share": 0.88})
@@ -729,33 +730,50 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
             pab.policy_class("c3986e0")  # before draft_next / record_plain
 
 
-def test_other_load_counts_other_processes_not_this_one(tmp_path):
-    """OtherLoad: the machine's busy CPU time from /proc/stat (user, nice, system, irq, softirq,
-    steal; not idle or iowait) minus this process's own, over the wall time; the note appears only
-    above a quarter of a core. (A fake /proc/stat: under pytest -n 2 the real one also counts the
-    other worker.)"""
+def test_other_load_counts_other_processes_not_this_one(tmp_path, monkeypatch):
+    """OtherLoad: the busy CPU time from /proc/stat (user, nice, system, irq, softirq, steal; not
+    idle or iowait) of the cores this process may use, minus this process's own, over the wall time;
+    None under a cgroup CPU quota, without /proc/stat or for a run under half a second; the note
+    appears only above a quarter of a core. (A fake /proc/stat and clock: under pytest -n 2 the real
+    ones also count the other worker.)"""
     import os
     import time
 
+    from edgespec import report
     from edgespec.report import OtherLoad, other_load_note
 
-    stat = tmp_path / "stat"
     hz = os.sysconf("SC_CLK_TCK")
-    stat.write_text("cpu  1000 10 200 5000 50 5 5 20 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
-    load = OtherLoad(str(stat))
-    t0, own0 = time.perf_counter(), time.process_time()
-    while time.perf_counter() - t0 < 0.6:  # this process busy: its own time is taken out
-        pass
-    own = time.process_time() - own0
-    # + 1.0 s of others' user time and 0.5 s of steal; idle and iowait do not count
-    stat.write_text(f"cpu  {1000 + hz} 10 200 {5000 + 9 * hz} {50 + hz} 5 5 {20 + hz // 2} 0 0\n")
-    cores = load.cores()
-    wall = time.perf_counter() - t0
-    assert cores == pytest.approx(max(0.0, (hz + hz // 2) / hz - own) / wall, abs=0.15), (cores, own, wall)
-    assert OtherLoad(str(tmp_path / "none")).cores() is None                 # no /proc/stat: nothing said
+    clock, own = [100.0], [5.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(time, "process_time", lambda: own[0])
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1}, raising=False)  # this process runs on cpu1 only
+    stat, cgroup = tmp_path / "stat", tmp_path / "cgroup"
+    cgroup.mkdir()
+
+    def write(cpu1_user, cpu1_steal, cpu0_user):
+        stat.write_text(f"cpu  {cpu1_user + cpu0_user} 0 0 900 0 0 0 {cpu1_steal} 0 0\n"
+                        f"cpu0 {cpu0_user} 0 0 400 0 0 0 0 0 0\ncpu1 {cpu1_user} 10 20 500 50 5 5 {cpu1_steal} 0 0\n"
+                        "intr 1 2 3\n")
+
+    write(1000, 20, 7000)
+    load = OtherLoad(str(stat), str(cgroup))
+    # 2 s later: cpu1 did 1.5 s of user time (0.5 s of it this process's) and 0.5 s of steal; cpu0's
+    # 2 s of work and cpu1's idle and iowait do not count
+    clock[0], own[0] = 102.0, 5.5
+    write(1000 + 3 * hz // 2, 20 + hz // 2, 7000 + 2 * hz)
+    assert load.cores() == pytest.approx((1.5 + 0.5 - 0.5) / 2.0)
+    clock[0] = 100.0
+    write(1000, 20, 7000)
+    short = OtherLoad(str(stat), str(cgroup))
+    clock[0] = 100.4
+    assert short.cores() is None                                   # under half a second: ticks say too little
+    (cgroup / "cpu.max").write_text("max 100000\n")
+    assert OtherLoad(str(stat), str(cgroup))._start is not None   # no quota
+    (cgroup / "cpu.max").write_text("200000 100000\n")
+    assert OtherLoad(str(stat), str(cgroup)).cores() is None      # a quota: host-wide cores, not told
+    assert OtherLoad(str(tmp_path / "none"), str(tmp_path / "none")).cores() is None  # no /proc/stat
     (tmp_path / "short").write_text("cpu 1 2 3\n")
-    assert OtherLoad(str(tmp_path / "short"))._start is None                  # a line of another shape: the same
-    assert OtherLoad().cores() is None                # under half a second: 10 ms ticks say too little
+    assert OtherLoad(str(tmp_path / "short"), str(cgroup / "x"))._start is None  # a line of another shape
+    monkeypatch.setattr(report, "usable_cores", lambda: 2)
     assert other_load_note(0.1) is None and other_load_note(None) is None
-    if os.cpu_count() == len(os.sched_getaffinity(0)):
-        assert "other processes took 0.90 of its" in other_load_note(0.9)
+    assert "other processes took 0.90 of the 2 cores this ran on" in other_load_note(0.9)

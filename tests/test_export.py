@@ -142,6 +142,12 @@ def test_config_with_more_or_fewer_layers_than_the_weights(tiny_checkpoints, tmp
             export_bundle(bad, out, progress=None)
         _cli_fails(["export", "--model", str(bad), "--out", str(out)], capsys, needle)
         assert _nothing_written(out)
+    typed = tmp_path / "typed"  # a value of the wrong type: transformers raises TypeError
+    shutil.copytree(target, typed)
+    cfg = json.loads((typed / "config.json").read_text())
+    (typed / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": str(layers)}))
+    _cli_fails(["export", "--model", str(typed), "--out", str(tmp_path / "o-typed")], capsys,
+               "check the values in config.json (one has the wrong type or is missing)")
 
 
 def test_quiet_silences_transformers_too(tiny_checkpoints, tmp_path, capsys):
@@ -267,9 +273,17 @@ def test_unwritable_output_and_xla_flags(tiny_checkpoints, tmp_path, monkeypatch
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
     _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o" / "b")], capsys, "is not a writable folder")
     assert _nothing_written(tmp_path / "o")
-    if Path("/proc/self").is_dir():  # a folder that exists but where nothing can be made (procfs: ENOENT)
-        _cli_fails(["export", "--model", str(target), "--out", "/proc/edgespec-out"], capsys,
-                   "'/proc' is not a writable folder (creating a folder in it failed: ")
+    # a folder whose permission bits allow writing but where nothing can be made (as /proc answers
+    # root with ENOENT): the message says what was tried
+    import errno
+    import tempfile
+
+    monkeypatch.setattr(os, "access", real_access)
+    def refuse(*a, **k):
+        raise OSError(errno.ENOENT, os.strerror(errno.ENOENT))
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o" / "b")], capsys,
+               f"{str(tmp_path)!r} is not a writable folder (creating a folder in it failed: No such file or directory)")
 
 
 def test_output_inside_input(tiny_checkpoints, tmp_path):

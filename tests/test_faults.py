@@ -273,6 +273,26 @@ def test_second_stream_in_the_same_thread_supersedes_the_first(engine, tiny_bund
     assert fifth.result.ids == ref[2]
     with pytest.raises(StopIteration):
         next(fifth)
+    # a stream that next() holds is freed, and gives the engine back, as soon as it is dropped (no
+    # reference cycle left for the garbage collector); close() ends it and next() then says so
+    import gc
+
+    gc.disable()
+    try:
+        held = engine.generate(PROMPT, seed=2, stream=True, **KW)
+        next(held)
+        assert engine._guard._holder is not None
+        del held
+        assert engine._guard._holder is None
+    finally:
+        gc.enable()
+    held = engine.generate(PROMPT, seed=2, stream=True, **KW)
+    next(held)
+    held.close()
+    assert engine._guard._holder is None
+    for again in (lambda: next(held), lambda: list(held)):
+        with pytest.raises(InvalidArgumentError, match="closed before it finished"):
+            again()
     sixth = engine.generate(PROMPT, seed=2, stream=True, **KW)
     next(iter(sixth))
     with pytest.raises(InvalidArgumentError, match=r"dropping its iterator, as next\(iter\(stream\)\) does.*next\(stream\)"):

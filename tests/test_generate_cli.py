@@ -238,11 +238,16 @@ def test_prompt_file_and_stdin(tiny_bundle, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode("utf-8"))))
     assert main(argv + ["--prompt-file", "-"]) == 0
     assert json.loads(capsys.readouterr().out)["prompt_ids"] == want["prompt_ids"]
+    f.write_bytes(b"\xef\xbb\xbf" + text.encode("utf-8"))  # a UTF-8 byte-order mark is not part of the prompt
+    assert main(argv + ["--prompt-file", str(f)]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_ids"] == want["prompt_ids"]
+    (tmp_path / "utf16.txt").write_bytes(text.encode("utf-16"))
     (tmp_path / "latin.txt").write_bytes(b"caf\xe9")
     (tmp_path / "empty.txt").write_text("")
     for extra, needle in ((["--prompt-file", str(tmp_path / "nope.txt")], "cannot read --prompt-file"),
                           (["--prompt-file", str(tmp_path / "latin.txt")], "is not UTF-8 text (byte 3)"),
-                          (["--prompt-file", str(tmp_path / "empty.txt")], "is empty")):
+                          (["--prompt-file", str(tmp_path / "empty.txt")], "is empty"),
+                          (["--prompt-file", str(tmp_path / "utf16.txt")], "is UTF-16 text; convert it to UTF-8")):
         _fails(argv + extra, capsys, needle)
     for extra, needle in ((["--prompt-file", str(f), "--prompt", "x"], "not allowed with argument"),
                           ([], "one of the arguments --prompt --prompt-file is required")):

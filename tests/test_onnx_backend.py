@@ -81,6 +81,11 @@ def test_providers():
         with pytest.raises(ProviderError, match="every node would fall back to the CPU; choose a compute provider: .*cpu"):
             resolve_providers([name, "cpu"])
     assert "azure" not in available_providers() and "cpu" in available_providers()
+    with pytest.raises(ProviderError, match="unknown execution provider") as e:
+        resolve_providers(["no-such-ep"])
+    assert "azure" not in str(e.value)  # not offered as a short name to use
+    with pytest.raises(ProviderError, match="has an empty item; separate names with single commas: cpu"):
+        resolve_providers("cpu,,")
     with pytest.raises(InvalidArgumentError, match="threads"):
         SessionConfig(intra_op_threads=-1)
 
