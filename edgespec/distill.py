@@ -28,7 +28,7 @@ from . import contract
 from .corpus import bar_options
 from .errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError
 from .cli import at_least
-from .outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
+from .outputs import DRAFT_FILES, check_replaceable, check_writable, swap_into_place, usual_permissions
 
 MODES = ("mix", "kl", "tv")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -400,7 +400,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
         raise InvalidArgumentError(f"generated (CLI --generated) must be a fraction in [0, 1]; got {generated!r}")
     if out_dir.exists() and not overwrite:
         raise OutputExistsError(f"output folder {out_dir} exists; choose another --out or pass --overwrite")
-    check_replaceable(out_dir, "distill.json", "a distilled draft")
+    check_replaceable(out_dir, "distill.json", "a distilled draft", owned=DRAFT_FILES)
     check_writable(out_dir)
     try:
         if out_dir.resolve().is_relative_to(target_dir.resolve()):
@@ -528,7 +528,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                 shutil.copyfile(target_dir / name, tmp / name)
         _write_json_atomic(report, tmp / "distill.json")
         usual_permissions(tmp, recursive=True)  # safetensors writes the weights 0600
-        swap_into_place(tmp, out_dir, overwrite, "distill.json", "a distilled draft")
+        swap_into_place(tmp, out_dir, overwrite, "distill.json", "a distilled draft", owned=DRAFT_FILES)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -23,9 +23,20 @@ def usual_permissions(path: str | os.PathLike, recursive: bool = False) -> None:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
-def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out") -> None:
+# What each command writes at the top of its output folder: --overwrite replaces such a folder only
+# if it holds nothing else (drafts distilled into a pair's folder, bundles exported there, notes).
+PAIR_FILES = frozenset({"target", "draft", "pair.json"})
+BUNDLE_FILES = frozenset({"edgespec.json", "target", "draft"})
+DRAFT_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "distill.json", "tokenizer.json",
+                         "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                         "merges.txt", "tokenizer.model", "chat_template.jinja"})
+
+
+def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
+                      owned: frozenset[str] | None = None) -> None:
     """``--overwrite`` replaces only an earlier output of the same command (a folder holding
-    ``marker``) or an empty folder, never a folder of the user's files nor a file."""
+    ``marker``, and nothing but the ``owned`` names where given) or an empty folder, never a folder of
+    the user's files nor a file."""
     if dest.exists() and not dest.is_dir():
         raise OutputExistsError(f"{flag} {str(dest)!r} exists and is not a folder; --overwrite replaces only {what}: "
                                 f"choose another {flag}")
@@ -33,9 +44,16 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out") -
         raise OutputExistsError(
             f"{flag} {str(dest)!r} exists, is not empty and is not {what} (no {marker}); --overwrite replaces only "
             f"{what}: choose another {flag} or empty the folder yourself")
+    extra = sorted(set(os.listdir(dest)) - owned) if owned is not None and dest.is_dir() else []
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise OutputExistsError(
+            f"{flag} {str(dest)!r} is {what} but also holds what this command did not write ({shown}); --overwrite "
+            f"would delete it with the old {what}: move it out of the folder, or choose another {flag}")
 
 
-def check_swap(dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out") -> None:
+def check_swap(dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out",
+               owned: frozenset[str] | None = None) -> None:
     """Would :func:`swap_into_place` refuse ``dest`` now? (A command that must tidy its work
     folder first asks before it does: a refused rename must leave a resumable run.)"""
     if not os.path.lexists(dest) or (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())):
@@ -43,10 +61,11 @@ def check_swap(dest: Path, overwrite: bool, marker: str, what: str, flag: str = 
     if not overwrite:
         raise OutputExistsError(f"{flag} {str(dest)!r} appeared while this command ran (another run with the same "
                                 f"{flag}?); nothing was replaced: choose another {flag} or pass --overwrite")
-    check_replaceable(dest, marker, what, flag)
+    check_replaceable(dest, marker, what, flag, owned)
 
 
-def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out") -> None:
+def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out",
+                    owned: frozenset[str] | None = None) -> None:
     """Rename the finished folder ``new`` to ``dest``. The rules checked before the work are
     checked again here, at the rename (``dest`` may have changed meanwhile: another run writing the
     same output, a user's file): nothing there (or an empty folder) is an atomic rename that fails
@@ -65,7 +84,7 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
                                     f"(another run with the same {flag}?); nothing was replaced: choose another "
                                     f"{flag} and run again") from None
         return
-    check_swap(dest, overwrite, marker, what, flag)
+    check_swap(dest, overwrite, marker, what, flag, owned if owned is None else owned | set(os.listdir(new)))
     old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
     os.replace(dest, old / dest.name)
     try:

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, bar_options, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
 from .cli import at_least
-from .outputs import check_replaceable, check_swap, check_writable, swap_into_place, usual_permissions
+from .outputs import PAIR_FILES, check_replaceable, check_swap, check_writable, swap_into_place, usual_permissions
 
 FORMAT_VERSION = 1
 
@@ -439,7 +439,7 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
         dest = Path(out).expanduser()
         if dest.exists() and not overwrite:
             raise OutputExistsError(f"output folder {dest} exists; choose another --out or pass --overwrite")
-        check_replaceable(dest, "pair.json", "a trained pair")
+        check_replaceable(dest, "pair.json", "a trained pair", owned=PAIR_FILES)
     check_writable(dest)
     dest = dest.absolute()
     work = dest.with_name(dest.name + ".work")
@@ -549,13 +549,13 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
                          "tokenizers": __import__("tokenizers").__version__, "numpy": np.__version__,
                          "torch_threads": torch_threads},
         }
-        check_swap(dest, overwrite, "pair.json", "a trained pair")  # refused now: the work folder still resumes
+        check_swap(dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)  # refused now: the work folder still resumes
         for name in ("identity.json", "tokenizer.json", "target.json", "draft.json", "target.state.pt", "draft.state.pt"):
             (work / name).unlink(missing_ok=True)
         _write_json_atomic(meta, work / "pair.json")
         (work / ".lock").unlink(missing_ok=True)
         usual_permissions(work, recursive=True)  # safetensors writes the weights 0600
-        swap_into_place(work, dest, overwrite, "pair.json", "a trained pair")  # --overwrite: the old one goes
+        swap_into_place(work, dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)  # --overwrite: the old one goes
     return dest
 
 

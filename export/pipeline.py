@@ -28,7 +28,7 @@ from edgespec import contract
 from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
 from edgespec.errors import (CheckpointError, DiskFullError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError,
                              UnsupportedArchitectureError)
-from edgespec.outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
+from edgespec.outputs import BUNDLE_FILES, check_replaceable, check_writable, swap_into_place, usual_permissions
 
 from . import graph_info, static_kv, validate
 from .checkpoint import Checkpoint, inspect_checkpoint
@@ -95,7 +95,7 @@ def check_output(out: Path, inputs: list[Path], overwrite: bool) -> Path:
     if dest.is_dir() and any(dest.iterdir()) and not _is_stale_partial(dest):
         if not overwrite:
             raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; choose another path or pass --overwrite")
-        check_replaceable(dest, contract.MANIFEST_NAME, "an edgespec bundle")
+        check_replaceable(dest, contract.MANIFEST_NAME, "an edgespec bundle", owned=BUNDLE_FILES)
     check_writable(dest)
     return dest
 
@@ -390,7 +390,7 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
         load_bundle(tmp, allow_partial=True)  # the reader must accept what the writer wrote
         usual_permissions(tmp, recursive=True)  # mkdtemp (0700), onnx's external data and XLA weights (0600)
         progress(f"writing {dest}")
-        swap_into_place(tmp, dest, options.overwrite, contract.MANIFEST_NAME, "an edgespec bundle")
+        swap_into_place(tmp, dest, options.overwrite, contract.MANIFEST_NAME, "an edgespec bundle", owned=BUNDLE_FILES)
         # Killed before this line: dest holds the marker, does not load, and the next export of
         # the same --out replaces it (check_output treats it as our own stale leftover).
         (dest / PARTIAL_MARKER).unlink()

@@ -318,3 +318,8 @@ def test_distill_from_init_keeps_its_shape_and_grows(target, corpus, tmp_path):
     with pytest.raises(OutputExistsError, match="not a folder"):
         distill(target, afile, overwrite=True, **kw)
     assert afile.read_text() == "hi"
+    # nor a distilled draft that holds something else too
+    (tmp_path / "a" / "notes.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match=r"also holds what this command did not write \(notes.txt\)"):
+        distill(target, tmp_path / "a", overwrite=True, **kw)
+    assert (tmp_path / "a" / "notes.txt").read_text() == "mine" and (tmp_path / "a" / "distill.json").exists()

@@ -220,9 +220,13 @@ def test_output_exists_and_overwrite(tiny_checkpoints, tmp_path, capsys):
     assert (out / "keep.txt").read_text() == "x"
     bundle = tmp_path / "bundle"
     export_bundle(target, bundle, progress=None)
-    (bundle / "stale.txt").write_text("old")
+    (bundle / "notes.txt").write_text("mine")  # a bundle with something else in it: never deleted with it
+    with pytest.raises(OutputExistsError, match=r"also holds what this command did not write \(notes.txt\)"):
+        export_bundle(target, bundle, options=ExportOptions(overwrite=True), progress=None)
+    assert (bundle / "notes.txt").read_text() == "mine"
+    (bundle / "notes.txt").unlink()
     export_bundle(target, bundle, options=ExportOptions(overwrite=True), progress=None)
-    assert (bundle / contract.MANIFEST_NAME).is_file() and not (bundle / "stale.txt").exists()
+    assert (bundle / contract.MANIFEST_NAME).is_file()
 
 
 def test_corrupt_or_mismatched_weights_fail_before_any_work(tiny_checkpoints, tmp_path, capsys):

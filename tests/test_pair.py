@@ -142,6 +142,15 @@ def test_output_exists_and_overwrite(pair, corpus, tmp_path):
         train_pair("tiny", corpus, out, progress=False)
     assert train_pair("tiny", corpus, out, progress=False, overwrite=True) == out.absolute()
     assert (out / "pair.json").is_file()
+    # a pair folder that also holds drafts distilled or bundles exported into it (benchmarks/run_all.sh
+    # keeps hours of work there): --overwrite refuses, before any training, and deletes nothing
+    (out / "distilled").mkdir()
+    (out / "distilled" / "distill.json").write_text("{}")
+    (out / "NOTES.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match=r"also holds what this command did not write \(NOTES.txt, distilled\)"):
+        train_pair("tiny", corpus, out, progress=False, overwrite=True)
+    assert (out / "NOTES.txt").read_text() == "mine" and (out / "distilled" / "distill.json").exists()
+    assert not out.with_name(out.name + ".work").exists()
 
 
 def test_overwrite_without_out_is_an_error(capsys):
