@@ -12,11 +12,12 @@ import hashlib
 import os
 import sys
 import sysconfig
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from .errors import TrainingError
+from .errors import EdgeSpecWarning, TrainingError
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
@@ -74,13 +75,25 @@ def _expand(paths: Sequence[os.PathLike | str]) -> list[Path]:
     return files
 
 
-def _read_text(p: Path, *, strict: bool) -> str | None:
+def _read_text(p: Path, *, strict: bool, named: bool = False, mangled: list[Path] | None = None) -> str | None:
+    """A file's text. ``named``: the user named this file (not found in a folder): it must be UTF-8.
+    Otherwise invalid bytes decode as U+FFFD (the default stdlib corpus keeps its exact text, and
+    with it its cached pairs' names) and such files are added to ``mangled``."""
     data = p.read_bytes()
     if b"\x00" in data:  # binary file
         if strict:
             raise TrainingError(f"corpus file {p} is binary (it contains NUL bytes); pass UTF-8 text files only")
         return None
-    return data.decode("utf-8", errors="replace").replace("\r\n", "\n")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if named:
+            raise TrainingError(f"corpus file {p} is not UTF-8 text (byte {exc.start}); convert it (e.g. iconv -f "
+                                "latin1 -t utf-8) or leave it out") from None
+        if mangled is not None:
+            mangled.append(p)
+        text = data.decode("utf-8", errors="replace")
+    return text.replace("\r\n", "\n")
 
 
 def _content_hash(text: str) -> bytes:
@@ -107,10 +120,16 @@ def load_documents(paths: Sequence[os.PathLike | str] | None = None) -> Corpus:
         source = "files"
         explicit = True
     docs: list[str] = []
+    named = {Path(raw) for raw in paths if not Path(raw).is_dir()} if explicit else set()
+    mangled: list[Path] = []
     for p in files:
-        text = _read_text(p, strict=explicit and len(files) == 1)
+        text = _read_text(p, strict=explicit and len(files) == 1, named=p in named, mangled=mangled if explicit else None)
         if text:  # skip empty and binary files
             docs.append(text)
+    if mangled:
+        warnings.warn(f"{len(mangled)} corpus file(s) found in the folders given are not UTF-8 text (first: "
+                      f"{mangled[0]}); their invalid bytes were read as U+FFFD: convert them to UTF-8 or leave them "
+                      "out", EdgeSpecWarning, stacklevel=2)
     total = sum(len(d.encode("utf-8")) for d in docs)
     if not docs or total == 0:
         raise TrainingError(

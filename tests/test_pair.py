@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from edgespec import pair as pair_mod  # noqa: E402
 from edgespec.cli import main  # noqa: E402
 from edgespec.corpus import _content_hash, load_corpus, load_documents, stdlib_files  # noqa: E402
-from edgespec.errors import InvalidArgumentError, OutputExistsError, TrainingError  # noqa: E402
+from edgespec.errors import EdgeSpecWarning, InvalidArgumentError, OutputExistsError, TrainingError  # noqa: E402
 from edgespec.pair import PRESETS, ModelSize, PairPreset, default_pair_dir, train_pair  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -172,6 +172,18 @@ def test_bad_corpus(tmp_path):
     with pytest.raises(TrainingError, match="too small"):
         train_pair("tiny", [small], tmp_path / "o", progress=False)
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.work").exists()
+    # a named file that is not UTF-8 is refused; such a file found in a folder is read with U+FFFD, with a warning
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café au lait\n".encode("latin-1") * 50)
+    with pytest.raises(TrainingError, match=r"latin1.txt is not UTF-8 text \(byte 3\); convert it"):
+        load_documents([latin, small])
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(latin.read_bytes())
+    (folder / "b.txt").write_text("good text\n" * 50)
+    with pytest.warns(EdgeSpecWarning, match=r"1 corpus file\(s\) found in the folders given are not UTF-8 text"):
+        docs = load_documents([folder])
+    assert "caf\ufffd au lait" in "".join(docs.train_docs + docs.heldout_docs)
 
 
 def test_bad_sizes():
