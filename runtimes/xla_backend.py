@@ -169,7 +169,7 @@ class XlaBackend:
         mpath = folder / "xla.json"
         if not mpath.is_file():
             raise BundleError(f"{model_dir} has no xla/xla.json; export the model with "
-                              "`edgespec export --format xla` (edgespec.export.xla.export_xla)")
+                              "`edgespec export --format onnx+xla` (edgespec.export.xla.export_xla)")
         try:
             manifest = json.loads(mpath.read_text())
         except (OSError, ValueError) as exc:

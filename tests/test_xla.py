@@ -524,7 +524,7 @@ def test_corrupted_artifact(root, exported):
 
 
 def test_missing_and_unsafe_bundles(root, exported):
-    with pytest.raises(BundleError, match="--format xla"):
+    with pytest.raises(BundleError, match="--format onnx\\+xla"):
         XlaBackend.from_dir(root / "nowhere")
     bad = _copy(exported["gpt2"], root / "unsafe")
     mpath = bad / "xla" / "xla.json"
