@@ -17,6 +17,7 @@ EngineBusyError instead of continuing from caches it no longer owns.
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -30,7 +31,7 @@ import numpy as np
 from . import contract
 from .adaptive import AdaptiveGamma
 from .bundle import BundleManifest, load_bundle
-from .config import DRAFTERS, GenerationConfig, SamplingConfig, as_int
+from .config import DRAFTERS, GenerationConfig, SamplingConfig, as_float, as_int
 from .drafters import HybridDrafter, LookaheadDrafter, NgramDrafter
 from .report import usable_cores
 from .errors import (BundleError, EdgeSpecWarning, EngineBusyError, InvalidArgumentError, PromptTooLongError,
@@ -305,6 +306,10 @@ class Engine:
 
     @busy_timeout.setter
     def busy_timeout(self, value: float | None) -> None:
+        value = as_float(value)
+        if value is not None and (not isinstance(value, float) or not value >= 0 or math.isinf(value)):
+            raise InvalidArgumentError(f"busy_timeout must be a number of seconds >= 0, or None to wait as long as "
+                                       f"it takes; got {value!r:.40}")
         self._guard.timeout = value
 
     def verify_width(self) -> int | None:
@@ -340,7 +345,14 @@ class Engine:
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        """Text of token ids (this bundle's tokenizer; special tokens left out)."""
+        ids = [as_int(i) for i in ids] if not isinstance(ids, (str, bytes)) and isinstance(ids, Iterable) else ids
+        size = self.manifest.target.tokenizer_size
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size
+                                                for i in ids):
+            raise InvalidArgumentError(f"decode takes a sequence of token ids in [0, {size}) (this bundle's "
+                                       f"tokenizer); got {ids!r:.80}")
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _prompt_ids(self, prompt, use_draft: bool) -> list[int]:
         if isinstance(prompt, str):
@@ -427,6 +439,9 @@ class Engine:
                 raise InvalidArgumentError(f"{name} must be True or False; got {flag!r:.40}")
         if drafter not in DRAFTERS:
             raise InvalidArgumentError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}; got {drafter!r}")
+        if drafter != "model" and not use_draft:
+            raise InvalidArgumentError(f"use_draft=False decodes with the target alone, so drafter={drafter!r} has no "
+                                       "effect; drop one of them")
         if drafter in ("lookahead", "hybrid") and use_draft and self.draft is None:
             raise InvalidArgumentError(
                 f"drafter={drafter!r} drafts with the bundle's draft model, and this engine has none ("
@@ -436,6 +451,7 @@ class Engine:
         use_draft = bool(use_draft) and self.draft is not None and not ngram  # the draft model takes part
         fixed = [gamma] if isinstance(gamma, int) and not isinstance(gamma, bool) else []
         max_gamma = gamma_bound(fixed, self.verify_width() if use_draft or ngram else None)
+        stop_token_ids = () if stop_token_ids is None else stop_token_ids
         if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable) or not all(
                 isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in stop_token_ids):
             raise InvalidArgumentError(f"stop_token_ids must be a sequence of integer token ids; got {stop_token_ids!r:.80}")
@@ -579,14 +595,38 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     from .export.tokenizer_check import tokenizer_size
     from .runtimes.onnx_backend import PROVIDER_ALIASES, SessionConfig, open_backend, provider_names, resolve_providers
 
+    threads, draft_threads = as_int(threads), as_int(draft_threads)
     for name, v in (("threads", threads), ("draft_threads", draft_threads)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise InvalidArgumentError(f"{name} (CLI --{name.replace('_', '-')}) must be an integer >= 0 "
                                        f"(0 = ONNX Runtime's default); got {v!r}")
+    for name, v, optional in (("load_draft", load_draft, False), ("spinning", spinning, True),
+                              ("draft_spinning", draft_spinning, True)):
+        if not isinstance(v, (bool, np.bool_)) and not (optional and v is None):
+            raise InvalidArgumentError(f"{name} must be True or False{' (or None: ONNX Runtime default)' if optional else ''}; "
+                                       f"got {v!r:.40}")
+    for name, v in (("providers", providers), ("draft_providers", draft_providers)):
+        if not (isinstance(v, str) or (isinstance(v, Sequence) and all(isinstance(n, str) for n in v))) and not (
+                v is None and name == "draft_providers"):
+            raise InvalidArgumentError(f"{name} must be provider names in order, e.g. ['cpu'] or 'cuda,cpu'"
+                                       f"{' (or None: as the target)' if name == 'draft_providers' else ''}; got {v!r:.40}")
+    if runtime not in ("onnx", "xla"):
+        raise InvalidArgumentError(f"runtime must be 'onnx' or 'xla'; got {runtime!r}")
     ort_names = [PROVIDER_ALIASES.get(n.lower(), n) for n in provider_names(providers)]
     if runtime == "xla" and (ort_names != [PROVIDER_ALIASES["cpu"]] or draft_providers is not None):
         raise InvalidArgumentError("providers configure ONNX Runtime; with runtime='xla' choose the device with "
                                    "platform= (CLI --platform) and drop providers (CLI --provider/--draft-provider)")
+    ort_only = [n for n, changed in (("threads", threads != 0), ("draft_threads", draft_threads != 1),
+                                     ("spinning", spinning is not None), ("draft_spinning", draft_spinning is not None),
+                                     ("huge_pages", huge_pages is not True)) if changed]
+    if runtime == "xla" and ort_only:
+        one = len(ort_only) == 1
+        raise InvalidArgumentError(f"{', '.join(ort_only)} {'configures' if one else 'configure'} ONNX Runtime and "
+                                   f"{'does' if one else 'do'} nothing with runtime='xla'; drop {'it' if one else 'them'} "
+                                   "(platform= picks the XLA device)")
+    if runtime == "onnx" and platform is not None:
+        raise InvalidArgumentError("platform= picks the XLA device (runtime='xla'); with ONNX Runtime choose "
+                                   "providers= instead, or drop platform")
     if isinstance(bundle, bytes) or not isinstance(bundle, (str, os.PathLike)) or not str(bundle):
         raise InvalidArgumentError(f"load takes the bundle's folder (a path from `edgespec export --out`); got {bundle!r:.80}")
     root = Path(bundle)
@@ -616,7 +656,7 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     if runtime == "onnx":
         def open_model(m, cfg):
             return open_backend(root / m.path, m, cfg)
-    elif runtime == "xla":
+    else:  # "xla" (checked above)
         from .runtimes.xla_backend import XlaBackend
 
         if "xla" not in manifest.formats:
@@ -628,8 +668,6 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
                 raise BundleError(f"{root / m.path}: the XLA artifacts give {be.vocab_size} logits per position, the "
                                   f"manifest says vocab_size {m.vocab_size}; re-export the bundle")
             return be
-    else:
-        raise InvalidArgumentError(f"runtime must be 'onnx' or 'xla'; got {runtime!r}")
     draft = None
     if load_draft and manifest.draft is not None:
         _check_same_tokenizer(root, manifest)

@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         check_writable(args.out / "bench.json")
     lookahead = any(s.draft == "lookahead" for s in grid)
     threads = default_target_threads(lookahead) if args.threads is None else args.threads
+    threads = 0 if args.runtime == "xla" else threads  # ONNX Runtime's setting (--threads is refused with xla)
     spin = {"on": True, "off": False, "default": None}[args.spin]
     ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), threads, draft_threads, spin,
                      platform=args.platform, huge_pages=not args.no_huge_pages)

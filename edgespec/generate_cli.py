@@ -169,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = read_prompt(args)  # before the bundle's seconds of loading
     spin = False if args.no_spin else None
     threads = default_target_threads(args.draft == "lookahead") if args.threads is None else args.threads
+    threads = 0 if args.runtime == "xla" else threads  # ONNX Runtime's setting (--threads is refused with xla)
     engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=threads,
                   draft_threads=1 if args.draft_threads is None else args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -178,10 +179,24 @@ def test_bad_inputs(engines):
     with pytest.raises(PromptTooLongError, match="at most 29"):
         eng.generate([4] * 100, max_new_tokens=40)
     for kwargs in ({"temperature": -1}, {"top_p": 0.0}, {"top_k": -2}, {"gamma": 0}, {"seed": -1},
-                   {"max_new_tokens": 0}, {"lenience": 2.0}, {"stop_token_ids": 5}, {"stop_token_ids": None},
-                   {"use_draft": "no"}, {"stream": "yes"}):
+                   {"max_new_tokens": 0}, {"lenience": 2.0}, {"stop_token_ids": 5},
+                   {"use_draft": "no"}, {"stream": "yes"}, {"use_draft": False, "drafter": "ngram"}):
         with pytest.raises(InvalidArgumentError):
             eng.generate(PROMPT, **kwargs)
+    # None is Python's "none": no stop ids, as the default ()
+    assert eng.generate(PROMPT, max_new_tokens=4, temperature=0, stop_token_ids=None).ids == \
+        eng.generate(PROMPT, max_new_tokens=4, temperature=0).ids
+    ids = eng.generate(PROMPT, max_new_tokens=4, temperature=0).ids
+    assert eng.decode(np.asarray(ids)) == eng.decode(ids)           # numpy ids are ids
+    for bad in ([10**6], [-1], "abc", [1.5], None):
+        with pytest.raises(InvalidArgumentError, match="decode takes a sequence of token ids"):
+            eng.decode(bad)
+    for bad in (-1, "x", float("nan"), float("inf")):
+        with pytest.raises(InvalidArgumentError, match="busy_timeout must be a number of seconds >= 0"):
+            eng.busy_timeout = bad
+    eng.busy_timeout = np.float32(0.5)
+    assert eng.busy_timeout == 0.5
+    eng.busy_timeout = None
     # text that is not valid Unicode (a shell's $'\xff' arrives as a lone surrogate)
     with pytest.raises(InvalidArgumentError, match="not valid Unicode text"):
         eng.generate("the \udcff fox")
@@ -199,6 +214,22 @@ def test_load_errors(tmp_path, bundle_copy, tiny_bundle):
         load(tiny_bundle("gpt2"), providers=["cuda"])
     with pytest.raises(ProviderError, match="available"):
         load(tiny_bundle("gpt2"), draft_providers=["coreml"])
+    # flags of the wrong type, and settings that do nothing with this runtime, are refused, not ignored
+    good = tiny_bundle("gpt2")
+    for kwargs, needle in (({"load_draft": "no"}, "load_draft must be True or False"),
+                           ({"spinning": "no"}, "spinning must be True or False (or None"),
+                           ({"draft_spinning": 1}, "draft_spinning must be True or False"),
+                           ({"providers": None}, "providers must be provider names in order"),
+                           ({"providers": 5}, "providers must be provider names"),
+                           ({"draft_providers": 5}, "draft_providers must be provider names"),
+                           ({"runtime": "tvm"}, "runtime must be 'onnx' or 'xla'"),
+                           ({"platform": "cpu"}, "platform= picks the XLA device"),
+                           ({"runtime": "xla", "threads": 1}, "threads configures ONNX Runtime and does nothing"),
+                           ({"runtime": "xla", "spinning": False, "huge_pages": False},
+                            "spinning, huge_pages configure ONNX Runtime")):
+        with pytest.raises(InvalidArgumentError, match=re.escape(needle)):
+            load(good, **kwargs)
+    assert load(good, threads=np.int64(1), draft_threads=np.int32(1)).generate([5, 9], max_new_tokens=2).ids
     b = bundle_copy()
     f = b / "target" / contract.DECODER_FILE
     f.write_bytes(f.read_bytes()[:1000])
