@@ -6,7 +6,7 @@ because genai's model builder needs transformers 5), e.g.::
     .venv-genai/bin/python benchmarks/genai_peer.py --bundle B --prompt-ids-file F \
         --max-new-tokens 64 --temperature 0 --repeats 3 [--speculative --gamma 4]
 
-It imports nothing from edgespec: it reads ``edgespec.json`` and the models' ``config.json`` and
+It needs nothing from edgespec (where edgespec is importable it only borrows its error printing): it reads ``edgespec.json`` and the models' ``config.json`` and
 writes a hand-made ``genai_config.json`` into a temporary folder that links (never writes) the
 bundle's ONNX and tokenizer files, so genai runs exactly the graphs edgespec runs. Prompts are
 token ids (a JSON list of lists in F), so tokenization is identical to edgespec's.
@@ -190,6 +190,17 @@ def serve(peer: GenaiPeer) -> int:
 
 def main(argv=None) -> int:
     args = _args(argv)
+    if not (args.bundle / "edgespec.json").is_file():
+        print(f"genai_peer.py: error: {args.bundle} is not an edgespec bundle (no edgespec.json); pass the folder "
+              "written by `edgespec export --out`", file=sys.stderr)
+        return 2
+    try:
+        import onnxruntime_genai  # noqa: F401
+    except ImportError:
+        print("genai_peer.py: error: onnxruntime-genai is not installed in this Python; run the script with the "
+              "environment that has it (see benchmarks/README.md, 'onnxruntime-genai peer'), e.g. "
+              ".venv-genai/bin/python benchmarks/genai_peer.py ...", file=sys.stderr)
+        return 2
     peer = GenaiPeer(args.bundle, args.speculative, args.gamma, args.threads, args.draft_threads)
     if args.serve:
         return serve(peer)
