@@ -98,7 +98,7 @@ def build_grid(gammas, temperatures, top_k: int, top_p: float, lenience, drafts)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder written by `edgespec export` (target + draft)")
     p.add_argument("--runtime", choices=("onnx", "xla"), default="onnx")
-    p.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, tpu (--runtime xla; default: JAX's default)")
+    p.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, rocm, tpu (--runtime xla; default: JAX's default)")
     p.add_argument("--gammas", default="1,2,4,6,8,auto", help="comma list; 'auto' = adaptive (default 1,2,4,6,8,auto)")
     p.add_argument("--temperatures", default="0,1", help="comma list; 0 = greedy (default 0,1)")
     p.add_argument("--top-k", type=int, default=0)

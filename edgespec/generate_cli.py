@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "huge pages where Linux allows it)")
     parser.add_argument("--runtime", choices=("onnx", "xla"), default="onnx",
                         help="onnx (default) or xla (jax.export artifacts: export with --format onnx+xla)")
-    parser.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, tpu (default: JAX's default)")
+    parser.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, rocm, tpu (default: JAX's default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, ids, sources, statistics")
     parser.add_argument("--show-drafts", action="store_true",
                         help="print the text when generation ends with each token marked by where it came from: "

@@ -437,10 +437,13 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
             raise OutputExistsError(f"{dest} exists but is not a complete pair (no pair.json); delete it to retrain")
     else:
         dest = Path(out).expanduser()
+        if dest.exists() and not dest.is_dir():
+            raise OutputExistsError(f"--out {str(dest)!r} is a file; give a folder for the pair (a new one, or an "
+                                    "earlier pair with --overwrite)")
         if dest.exists() and not overwrite:
             raise OutputExistsError(f"output folder {dest} exists; choose another --out or pass --overwrite")
         check_replaceable(dest, "pair.json", "a trained pair", owned=PAIR_FILES)
-    check_writable(dest)
+    check_writable(dest, "--out" if out is not None else "pair folder in the cache (EDGESPEC_CACHE)")
     dest = dest.absolute()
     work = dest.with_name(dest.name + ".work")
     ident = _identity(p, seed, c.description)
@@ -448,6 +451,11 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
     work.mkdir(parents=True, exist_ok=True)
     try:
         return _train_pair_locked(p, c, dest, work, ident, seed, progress, callback, t_start, overwrite)
+    except KeyboardInterrupt:
+        if work.is_dir() and (any(work.glob("*.state.pt")) or any(work.glob("*/config.json"))):
+            print(f"edgespec: training so far is saved in {work}; run the same command again to resume from it "
+                  "(delete that folder to start over)", file=sys.stderr)
+        raise
     except EdgeSpecError:
         # a bad input found before any training state was saved: leave nothing behind
         if created and work.is_dir() and not any(work.glob("*.state.pt")) and not any(work.glob("*/config.json")):
@@ -508,7 +516,8 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
             if len(train_ids) < 4 * (p.context + 1):
                 raise TrainingError(
                     f"the corpus is too small for preset {p.name!r}: {len(train_ids)} training tokens, but context "
-                    f"{p.context} needs at least {4 * (p.context + 1)}; pass more text with --corpus or pick a smaller preset"
+                    f"{p.context} needs at least {4 * (p.context + 1)}; pass more text with --corpus"
+                    + ("" if p.name == "tiny" else " or pick a smaller preset (tiny)")
                 )
             if len(held_ids) < p.context:
                 raise TrainingError(

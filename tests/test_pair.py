@@ -111,7 +111,7 @@ class _Interrupt(Exception):
 
 
 @pytest.mark.parametrize("stop_role,stop_step", [("target", 7), ("draft", 12)])
-def test_resume_after_interruption(pair, corpus, tmp_path, stop_role, stop_step):
+def test_resume_after_interruption(pair, corpus, tmp_path, stop_role, stop_step, capsys):
     out = tmp_path / "resumed"
     every = PRESETS["tiny"].checkpoint_every
 
@@ -124,6 +124,13 @@ def test_resume_after_interruption(pair, corpus, tmp_path, stop_role, stop_step)
     assert not out.exists()  # nothing half-written at the final place
     work = out.with_name(out.name + ".work")
     assert (work / f"{stop_role}.state.pt").is_file()
+    if stop_role == "target":  # Ctrl-C: the user is told the work folder resumes
+        def ctrl_c(role, step):
+            if step == stop_step + 1:
+                raise KeyboardInterrupt
+        with pytest.raises(KeyboardInterrupt):
+            train_pair("tiny", corpus, out, progress=False, callback=ctrl_c)
+        assert f"training so far is saved in {work}; run the same command again to resume" in capsys.readouterr().err
 
     seen: list[tuple[str, int]] = []
     final = train_pair("tiny", corpus, out, progress=False, callback=lambda r, s: seen.append((r, s)))
@@ -199,6 +206,10 @@ def test_bad_sizes():
 
 
 def test_cli_errors(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    for extra in ([], ["--overwrite"]):  # a file as --out: the same answer with or without --overwrite
+        assert main(["train-pair", "--preset", "tiny", "--out", str(tmp_path / "afile"), *extra]) == 2
+        assert "is a file; give a folder for the pair" in capsys.readouterr().err
     rc = main(["train-pair", "--preset", "tiny", "--corpus", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "o")])
     assert rc == 2
     assert "does not exist" in capsys.readouterr().err
