@@ -239,8 +239,9 @@ def test_demo_says_when_speculation_loses_and_what_adaptive_gamma_did(capsys):
     base = dict(temperature=1.0, alpha=0.6, c=0.1, tokens_per_round=2.0, expected_tokens_per_round=2.1,
                 plain_tokens_per_s=2000.0, spec_tokens_per_s=1600.0, predicted_speedup=1.6, decode_speedup=0.8,
                 plain_ttft_s=0.003, spec_ttft_s=0.003, verify_cost_steps=2.04, mean_gamma=nan, plain_step_share=0.004)
-    _print_row({**base, "gamma": 4, "speedup": 0.8})
+    _print_row({**base, "gamma": 4, "speedup": 0.8, "speedup_all": [0.79, 0.8, 1.1]})
     out = capsys.readouterr().out
+    assert "(per repeat: 0.79, 0.80, 1.10)" in out  # a median of per-repeat ratios, not of the tok/s above
     assert "slower than plain decoding here: a verify call cost 2.04 plain steps" in out and "--gamma auto" in out
     _print_row({**base, "gamma": 4, "speedup": 0.8}, auto_shown=True)
     assert "takes plain steps where drafting loses: the gamma auto row at this temperature" in capsys.readouterr().out
