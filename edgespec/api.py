@@ -588,7 +588,8 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     transparent huge pages (fewer TLB misses while a step streams them; on the bench pair plain
     decoding ran 13-15% faster, speculative 7-8%); False leaves ONNX Runtime's memory as it was.
     ``runtime="xla"`` runs the bundle's jax.export artifacts instead (``edgespec export --format
-    onnx+xla``) on ``platform`` (cpu, cuda, tpu; default: JAX's default device).
+    onnx+xla``) on ``platform`` (cpu, cuda, rocm, tpu; default: JAX's default device); the ONNX Runtime
+    settings (providers, threads, spinning, huge_pages) are refused with it, as ``platform`` is without it.
     """
     from tokenizers import Tokenizer
 

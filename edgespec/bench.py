@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     spin = {"on": True, "off": False, "default": None}[args.spin]
     ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), threads, draft_threads, spin,
                      platform=args.platform, huge_pages=not args.no_huge_pages)
-    if lookahead:
+    if lookahead and args.runtime == "onnx":  # XLA has no thread setting to change
         warn_if_no_spare_core(threads)
     # the adaptive settings' bound: 8, within what the XLA artifacts verify in one call
     gamma_bound([s.gamma for s in grid if s.gamma is not None], ob.verify_width, "--gammas")

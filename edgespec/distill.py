@@ -567,7 +567,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also train a same-size draft on the corpus alone (same budget) and compare")
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--seed", type=at_least(0), default=0)
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier distilled draft at OUT (only one that holds nothing else)")
     parser.add_argument("--no-progress", action="store_true")
 
 

@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     gamma = parse_gamma(args.gamma)
     _check_flags(args, gamma)
     if args.seed is not None and args.seed < 0:
-        raise InvalidArgumentError(f"--seed must be an integer >= 0 (or left out for a fresh seed); got {args.seed}")
+        raise InvalidArgumentError(f"--seed must be a non-negative integer (or left out for a fresh seed); got {args.seed}")
     prompt = read_prompt(args)  # before the bundle's seconds of loading
     spin = False if args.no_spin else None
     threads = default_target_threads(args.draft == "lookahead") if args.threads is None else args.threads

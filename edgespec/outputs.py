@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import fnmatch
 import os
 import shutil
 import tempfile
@@ -23,17 +24,33 @@ def usual_permissions(path: str | os.PathLike, recursive: bool = False) -> None:
         os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
-# What each command writes at the top of its output folder: --overwrite replaces such a folder only
-# if it holds nothing else (drafts distilled into a pair's folder, bundles exported there, notes).
-PAIR_FILES = frozenset({"target", "draft", "pair.json"})
-BUNDLE_FILES = frozenset({"edgespec.json", "target", "draft"})
-DRAFT_FILES = frozenset({"config.json", "generation_config.json", "model.safetensors", "distill.json", "tokenizer.json",
-                         "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-                         "merges.txt", "tokenizer.model", "chat_template.jinja"})
+class OwnedNames:
+    """The names a command writes at the top of its output folder (exact names and glob patterns):
+    --overwrite replaces such a folder only if it holds nothing else (drafts distilled into a pair's
+    folder, bundles exported there, notes)."""
+
+    def __init__(self, names=(), patterns=()):
+        self.names, self.patterns = frozenset(names), tuple(patterns)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+
+    def __or__(self, names) -> "OwnedNames":
+        return OwnedNames(self.names | set(names), self.patterns)
+
+
+PAIR_FILES = OwnedNames({"target", "draft", "pair.json"})
+BUNDLE_FILES = OwnedNames({"edgespec.json", "target", "draft"})
+# a Hugging Face model folder as save_pretrained writes it (sharded weights too) plus distill.json;
+# the tokenizer's files are distill's _TOKENIZER_FILES (a test keeps the two lists together)
+DRAFT_FILES = OwnedNames({"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                          "distill.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                          "tokenizer.model", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja"},
+                         ("model-*-of-*.safetensors",))
 
 
 def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
-                      owned: frozenset[str] | None = None) -> None:
+                      owned: OwnedNames | None = None) -> None:
     """``--overwrite`` replaces only an earlier output of the same command (a folder holding
     ``marker``, and nothing but the ``owned`` names where given) or an empty folder, never a folder of
     the user's files nor a file."""
@@ -44,7 +61,7 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
         raise OutputExistsError(
             f"{flag} {str(dest)!r} exists, is not empty and is not {what} (no {marker}); --overwrite replaces only "
             f"{what}: choose another {flag} or empty the folder yourself")
-    extra = sorted(set(os.listdir(dest)) - owned) if owned is not None and dest.is_dir() else []
+    extra = sorted(n for n in os.listdir(dest) if n not in owned) if owned is not None and dest.is_dir() else []
     if extra:
         shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise OutputExistsError(
@@ -53,7 +70,7 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
 
 
 def check_swap(dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out",
-               owned: frozenset[str] | None = None) -> None:
+               owned: OwnedNames | None = None) -> None:
     """Would :func:`swap_into_place` refuse ``dest`` now? (A command that must tidy its work
     folder first asks before it does: a refused rename must leave a resumable run.)"""
     if not os.path.lexists(dest) or (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())):
@@ -65,7 +82,7 @@ def check_swap(dest: Path, overwrite: bool, marker: str, what: str, flag: str = 
 
 
 def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out",
-                    owned: frozenset[str] | None = None) -> None:
+                    owned: OwnedNames | None = None) -> None:
     """Rename the finished folder ``new`` to ``dest``. The rules checked before the work are
     checked again here, at the rename (``dest`` may have changed meanwhile: another run writing the
     same output, a user's file): nothing there (or an empty folder) is an atomic rename that fails
@@ -96,7 +113,7 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_writable(dest: Path, flag: str = "--out") -> None:
+def check_writable(dest: Path, flag: str = "--out", fix: str = "choose another path") -> None:
     """A folder can be made in the nearest existing folder above ``dest`` (tried, before any work:
     permission bits do not tell about read-only or virtual file systems, nor about root)."""
     parent = Path(os.path.abspath(dest)).parent
@@ -113,4 +130,4 @@ def check_writable(dest: Path, flag: str = "--out") -> None:
     elif parent.is_dir():
         reason = "no write permission"
     raise OutputPathError(f"cannot write {flag} {str(dest)!r}: {str(parent)!r} is not a writable folder ({reason}); "
-                          "choose another path")
+                          f"{fix}")

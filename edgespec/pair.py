@@ -443,7 +443,10 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
         if dest.exists() and not overwrite:
             raise OutputExistsError(f"output folder {dest} exists; choose another --out or pass --overwrite")
         check_replaceable(dest, "pair.json", "a trained pair", owned=PAIR_FILES)
-    check_writable(dest, "--out" if out is not None else "pair folder in the cache (EDGESPEC_CACHE)")
+    if out is not None:
+        check_writable(dest)
+    else:
+        check_writable(dest, "pair folder in the cache", "set EDGESPEC_CACHE to a writable folder (or pass --out DIR)")
     dest = dest.absolute()
     work = dest.with_name(dest.name + ".work")
     ident = _identity(p, seed, c.description)
@@ -605,7 +608,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output folder (default: the cache, $EDGESPEC_CACHE/pairs/<preset>-<corpus hash>, reused when present)")
     parser.add_argument("--seed", type=at_least(0), default=0, help="random seed of the initial weights and batches (torch's CPU kernels are not bit-reproducible "
                              "across runs, so weights of two runs differ slightly)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier pair at --out (only a pair folder that holds nothing else)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--print-path", action="store_true",
                         help="print only the pair folder (train or reuse it first), for scripts")

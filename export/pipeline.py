@@ -92,6 +92,11 @@ def check_output(out: Path, inputs: list[Path], overwrite: bool) -> Path:
             raise OutputExistsError(f"input checkpoint {str(src)!r} lies inside the output folder {str(out)!r}; choose another output folder")
     if dest.exists() and not dest.is_dir():
         raise OutputExistsError(f"output {str(out)!r} exists and is not a folder; choose another path")
+    if dest.is_dir() and _is_stale_partial(dest):  # a killed export's folder: removed before writing, if only that
+        extra = sorted(n for n in os.listdir(dest) if n not in BUNDLE_FILES | {PARTIAL_MARKER})
+        if extra:
+            raise OutputExistsError(f"output folder {str(out)!r} is an unfinished export that also holds what an export "
+                                    f"does not write ({', '.join(extra[:5])}); move that out of it, or choose another path")
     if dest.is_dir() and any(dest.iterdir()) and not _is_stale_partial(dest):
         if not overwrite:
             raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; choose another path or pass --overwrite")

@@ -493,3 +493,24 @@ def test_an_export_in_another_thread_of_this_process_is_alive(tmp_path):
         assert pipeline._marker_owner_alive(folder) and not pipeline._is_stale_partial(folder)
     finally:
         pipeline._LIVE_EXPORTS.discard("t-live")
+
+
+def test_a_stale_unfinished_export_is_removed_only_if_it_holds_nothing_else(tmp_path, tiny_checkpoints):
+    """A killed export's own folder at --out is cleared before a new export; one that also holds other
+    things is refused, and they stay."""
+    from edgespec.errors import OutputExistsError
+    from edgespec.export import pipeline
+
+    target, _ = tiny_checkpoints("gpt2")
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / PARTIAL_MARKER).write_text(json.dumps({"pid": 2**22 + 12345, "host": __import__("socket").gethostname(),
+                                                  "token": "t-dead"}))  # a pid above Linux's maximum: not running
+    (out / "target").mkdir()
+    (out / "mine.txt").write_text("keep")
+    assert pipeline._is_stale_partial(out)
+    with pytest.raises(OutputExistsError, match=r"unfinished export that also holds what an export does not write \(mine.txt\)"):
+        pipeline.check_output(out, [target], overwrite=False)
+    assert (out / "mine.txt").read_text() == "keep"
+    (out / "mine.txt").unlink()
+    assert pipeline.check_output(out, [target], overwrite=False) == out.resolve()

@@ -105,7 +105,7 @@ def test_cli_errors(tmp_path, tiny_bundle, bundle_copy, capsys):
     _fails(["generate", good, "--prompt", "x", "--gamma", "many"], capsys, "--gamma")
     _fails(["generate", good, "--prompt", "x", "--temperature", "-1"], capsys, "temperature")
     _fails(["generate", good, "--prompt", ""], capsys, "empty")
-    _fails(["generate", good, "--prompt", "x", "--seed", "-1"], capsys, "--seed must be an integer >= 0")
+    _fails(["generate", good, "--prompt", "x", "--seed", "-1"], capsys, "--seed must be a non-negative integer (or left out")
 
     b = bundle_copy()
     data = json.loads((b / contract.MANIFEST_NAME).read_text())

@@ -117,7 +117,7 @@ BAD_SETTINGS = [
     ({"lenience": 1.5}, ["--lenience", "1.5"], "lenience must be in (0, 1]"),
     ({"lenience": float("nan")}, ["--lenience", "nan"], "lenience must be in (0, 1]"),
     ({"max_new_tokens": 0}, ["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1"),
-    ({"seed": -1}, ["--seed", "-1"], "seed must be "),  # API: "a non-negative integer or None"; CLI: "an integer >= 0"
+    ({"seed": -1}, ["--seed", "-1"], "seed must be a non-negative integer"),
     ({"stop_token_ids": ["x"]}, None, "stop_token_ids must be a sequence of integer"),
     ({"stop_token_ids": [-1]}, None, "stop_token_ids must be non-negative"),
     ({"stop_token_ids": "12"}, None, "stop_token_ids must be a sequence of integer"),

@@ -205,7 +205,7 @@ def test_bad_sizes():
         train_pair("huge", progress=False)
 
 
-def test_cli_errors(tmp_path, capsys):
+def test_cli_errors(tmp_path, capsys, monkeypatch):
     (tmp_path / "afile").write_text("x")
     for extra in ([], ["--overwrite"]):  # a file as --out: the same answer with or without --overwrite
         assert main(["train-pair", "--preset", "tiny", "--out", str(tmp_path / "afile"), *extra]) == 2
@@ -216,6 +216,10 @@ def test_cli_errors(tmp_path, capsys):
     (tmp_path / "o").mkdir()
     rc = main(["train-pair", "--preset", "tiny", "--out", str(tmp_path / "o"), "--corpus", str(tmp_path / "nope.txt")])
     assert rc == 2
+    capsys.readouterr()
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "afile"))  # a cache that cannot hold folders
+    assert main(["train-pair", "--preset", "tiny"]) == 2
+    assert "set EDGESPEC_CACHE to a writable folder (or pass --out DIR)" in capsys.readouterr().err
 
 
 def test_default_corpus_is_stdlib_and_deterministic():

@@ -105,6 +105,9 @@ def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys, monkeypatch):
     assert main(argv + ["--gammas", "2", "--threads", "1", "--spin", "off"]) == 2
     err = capsys.readouterr().err
     assert "--threads, --spin configure ONNX Runtime and do nothing with --runtime xla" in err, err
+    # the lookahead drafter with XLA: no advice about --threads, which XLA does not take
+    assert main(argv + ["--gammas", "2", "--draft", "lookahead"]) == 0
+    assert "--threads" not in capsys.readouterr().err
 
 
 def test_xla_options_are_checked_before_the_onnx_work(tiny_checkpoints, tmp_path, capsys, monkeypatch):
