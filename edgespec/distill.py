@@ -568,7 +568,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-windows", type=int, default=64)
     parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace an earlier distilled draft at OUT (only one that holds nothing else)")
+                        help="replace an earlier distilled draft at --out (only one that holds nothing else)")
     parser.add_argument("--no-progress", action="store_true")
 
 
