@@ -23,7 +23,6 @@ from edgespec.api import load
 from edgespec.cli import at_least
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.config import SamplingConfig
-from edgespec.errors import EdgeSpecError
 from edgespec.report import machine_description, write_json
 from edgespec.sampling import process_logits
 
@@ -72,11 +71,7 @@ def main(argv=None) -> int:
     if args.temperature <= 0:
         ap.error("--temperature must be > 0 (at 0 use benchmarks/adaptive_bound.py, which is exact)")
 
-    try:
-        eng = load(args.bundle, threads=1, spinning=False)
-    except EdgeSpecError as exc:
-        print(f"acceptance_signals: {exc}", file=sys.stderr)
-        return 2
+    eng = load(args.bundle, threads=1, spinning=False)  # errors: run_script prints them
     if eng.draft is None:
         print(f"acceptance_signals: {args.bundle} has no draft model; export one with `edgespec export --draft`",
               file=sys.stderr)

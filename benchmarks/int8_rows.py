@@ -25,6 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from edgespec.errors import InvalidArgumentError  # noqa: E402
+
 K, N, LAYERS = 512, 4096, 12
 
 
@@ -80,7 +82,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.rows < 2 or args.calls < 1:
-        raise SystemExit("int8_rows.py: --rows must be >= 2 and --calls >= 1")
+        raise InvalidArgumentError("--rows must be >= 2 and --calls >= 1")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, convert in (("fp32", None), ("int8 dynamic (drafts)", quantize_int8),

@@ -18,7 +18,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import edgespec  # noqa: E402
 from edgespec.cli import at_least  # noqa: E402
-from edgespec.errors import EdgeSpecError  # noqa: E402
 from edgespec.prompts import CODE_PROMPTS  # noqa: E402
 
 PARTS = ("prefill_s", "draft_s", "target_s", "sample_s")
@@ -32,11 +31,7 @@ def main() -> int:
     ap.add_argument("--threads", type=at_least(0), default=1, help="target intra-op threads (the draft gets 1)")
     ap.add_argument("--repeats", type=at_least(1), default=3)
     args = ap.parse_args()
-    try:
-        eng = edgespec.load(args.bundle, threads=args.threads, draft_threads=1)
-    except EdgeSpecError as exc:
-        print(f"loop_profile: {exc}", file=sys.stderr)
-        return 2
+    eng = edgespec.load(args.bundle, threads=args.threads, draft_threads=1)  # errors: run_script prints them
     for _ in range(args.repeats):
         agg = {mode: np.zeros(2 + len(PARTS)) for mode in ("plain", "spec")}  # tokens, total, parts
         for prompt in CODE_PROMPTS[:4]:

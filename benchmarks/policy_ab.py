@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.errors import InvalidArgumentError
 from edgespec.prompts import CODE_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +35,9 @@ def policy_class(revision: str):
                                 capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = (getattr(exc, "stderr", None) or str(exc)).strip()
-        raise SystemExit(f"error: cannot read edgespec/adaptive.py at {revision!r} with git ({detail}); give a "
-                         "revision of this repository, e.g. HEAD or a commit (a shallow clone may lack it: "
-                         "git fetch --unshallow)") from None
+        raise InvalidArgumentError(f"cannot read edgespec/adaptive.py at {revision!r} with git ({detail}); give a "
+                                   "revision of this repository, e.g. HEAD or a commit (a shallow clone may lack it: "
+                                   "git fetch --unshallow)") from None
     if source == (ROOT / "edgespec" / "adaptive.py").read_text():
         print(f"[policy_ab] note: the policy at {revision!r} is this checkout's: both sides run the same code",
               file=sys.stderr)
@@ -44,8 +45,8 @@ def policy_class(revision: str):
     exec(compile(source, f"{revision}:edgespec/adaptive.py", "exec"), module.__dict__)
     cls = module.AdaptiveGamma
     if not all(hasattr(cls, name) for name in ("draft_next", "record_plain")):
-        raise SystemExit(f"error: the adaptive policy at {revision!r} predates plain steps (draft_next, "
-                         "record_plain: commit 6b7cb21); this loop cannot run it")
+        raise InvalidArgumentError(f"the adaptive policy at {revision!r} predates plain steps (draft_next, "
+                                   "record_plain: commit 6b7cb21); this loop cannot run it: give a later --against")
     return adapt(cls)
 
 
@@ -67,16 +68,12 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
     import edgespec
     from edgespec.adaptive import AdaptiveGamma
     from edgespec.config import GenerationConfig, SamplingConfig
-    from edgespec.errors import EdgeSpecError
     from edgespec.loop import generate
 
     other = policy_class(against)  # first: a bad revision is reported before the bundle loads
-    try:
-        eng = edgespec.load(bundle, threads=1, draft_threads=1)
-    except EdgeSpecError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    eng = edgespec.load(bundle, threads=1, draft_threads=1)
     if not eng.has_draft:
-        raise SystemExit(f"error: {bundle} has no draft model; export the bundle with --draft")
+        raise InvalidArgumentError(f"{bundle} has no draft model; export the bundle with --draft")
     prompts = [eng.encode(p) for p in CODE_PROMPTS]
     policies = {"this": AdaptiveGamma(max_gamma), "other": other(max_gamma)}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=None, max_gamma=max_gamma,
@@ -124,4 +121,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from edgespec.cli import run_script
+
+    sys.exit(run_script(main, "policy_ab.py"))

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import int8_rows  # noqa: E402  (the graph)
+from edgespec.errors import InvalidArgumentError  # noqa: E402
 
 
 def _median_ms(fn, calls: int) -> float:
@@ -55,9 +56,9 @@ def main(argv=None) -> int:
     try:
         widths = sorted({int(w) for w in args.widths.split(",")})
     except ValueError:
-        raise SystemExit(f"verify_width.py: --widths takes comma-separated integers; got {args.widths!r}") from None
+        raise InvalidArgumentError(f"--widths takes comma-separated integers; got {args.widths!r}") from None
     if 1 not in widths or min(widths) < 1 or args.calls < 1 or args.peak_width < 1:
-        raise SystemExit("verify_width.py: --widths must include 1 and be >= 1; --calls and --peak-width >= 1")
+        raise InvalidArgumentError("--widths must include 1 and be >= 1; --calls and --peak-width >= 1")
     K, N, L = int8_rows.K, int8_rows.N, int8_rows.LAYERS
     flops_per_row = 2 * K * N * L
     rng = np.random.default_rng(1)

@@ -724,10 +724,10 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
     assert rows[0]["plain"]["plain_step_share"] == pytest.approx(7 / 8)  # every token but the prefill's
     assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--temperature", "0"]) == 0
     assert "this / HEAD: median" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="cannot read edgespec/adaptive.py"):
+    with pytest.raises(InvalidArgumentError, match="cannot read edgespec/adaptive.py"):
         pab.policy_class("no-such-revision")
     if subprocess.run(["git", "cat-file", "-e", "c3986e0"], cwd=pab.ROOT, capture_output=True).returncode == 0:
-        with pytest.raises(SystemExit, match="predates plain steps"):   # (a shallow clone lacks it)
+        with pytest.raises(InvalidArgumentError, match="predates plain steps"):   # (a shallow clone lacks it)
             pab.policy_class("c3986e0")  # before draft_next / record_plain
 
 
