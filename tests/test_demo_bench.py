@@ -390,7 +390,7 @@ def test_adaptive_bound_logistic_and_auc():
     assert np.abs(fit(np.stack([grid, np.ones_like(grid)], 1)) - 1 / (1 + np.exp(-(2 * grid - 1)))).max() < 0.03
 
 
-def test_acceptance_signals_binned_r2_and_collect(tiny_bundle):
+def test_acceptance_signals_binned_r2_and_collect(tiny_bundle, capsys):
     """benchmarks/acceptance_signals.py: the binned R^2 is ~1 for a signal that determines the keep
     probability and ~0 for one independent of it; on a real bundle every a(x) is a probability."""
     from pathlib import Path
@@ -408,7 +408,10 @@ def test_acceptance_signals_binned_r2_and_collect(tiny_bundle):
     data = mod.collect(eng, [[5, 9, 13], [7, 2]], 12, 1.0, 3, 0)
     assert 0 < data["a"].size <= 2 * 12 * 3 and data["a"].size % 3 == 0 and ((data["a"] >= 0) & (data["a"] <= 1)).all()
     assert ((data["q_x"] > 0) & (data["q_x"] <= data["max_q"] + 1e-12)).all()
-    assert mod.main([str(Path("/nonexistent/bundle")), "--out", "unused"]) == 2   # a clean error, no traceback
+    from edgespec.cli import run_script  # as the script's __main__ runs it: a clean error, no traceback
+
+    assert run_script(lambda: mod.main([str(Path("/nonexistent/bundle")), "--out", "unused"]), "acceptance_signals.py") == 2
+    assert "acceptance_signals.py: error: bundle folder" in capsys.readouterr().err
 
 
 def test_plot_says_when_matplotlib_is_missing(monkeypatch, tmp_path):
@@ -554,7 +557,7 @@ def test_verify_width_script(tmp_path, monkeypatch):
         assert r["gflops"] == pytest.approx(flops * r["rows"] / r["ms"] / 1e6)
         assert r["ideal_V"] >= 1.0
     assert res["kernel_best_gflops"] > 0 and res["numpy_1row_gb_per_s"] > 0
-    with pytest.raises(SystemExit, match="must include 1"):
+    with pytest.raises(InvalidArgumentError, match="must include 1"):
         mod.main(["--widths", "2,4"])
 
 
