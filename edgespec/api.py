@@ -262,11 +262,8 @@ class TextStream:
         # A for loop over a temporary stream (for c in engine.generate(..., stream=True)) holds only
         # the generator: that one lives on, and ends (closing the core) when it is exhausted or dropped.
         try:
-            held, self._held = self._held, None
-            if held is not None:
-                held.close()          # its generator's finally closes the core
-            elif self._steps_ref is None or self._steps_ref() is None:
-                self._core.close()
+            if self._held is not None or self._steps_ref is None or self._steps_ref() is None:
+                self.close()
         except Exception:
             pass
 

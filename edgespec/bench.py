@@ -7,16 +7,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import SamplingConfig
-from .errors import EdgeSpecWarning, InvalidArgumentError, PromptTooLongError
+from .errors import InvalidArgumentError, PromptTooLongError
 from .cli import at_least
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
-from .report import OtherLoad, format_table, machine_description, other_load_note, plot, write_json
+from .report import OtherLoad, format_table, machine_description, plot, warn_if_busy, write_json
 
 
 @dataclass
@@ -217,9 +216,7 @@ def run(args: argparse.Namespace) -> int:
                   "drafted rounds)")
     note = hardware_counters_note()
     print(note)
-    busy = other_load_note(others)
-    if busy:  # after the table, on stderr as every warning (EdgeSpecWarning)
-        warnings.warn(busy, EdgeSpecWarning, stacklevel=2)
+    warn_if_busy(others)  # after the table
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
                "providers": args.provider, "threads": threads, "draft_threads": draft_threads,
                "platform": args.platform, "verify_width": ob.verify_width,

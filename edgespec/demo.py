@@ -10,16 +10,15 @@ import shlex
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
 from . import contract
 from .config import SamplingConfig
-from .errors import BundleError, EdgeSpecWarning, InvalidArgumentError
+from .errors import BundleError, InvalidArgumentError
 from .cli import at_least
 from .measure import Setting, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
-from .report import OtherLoad, machine_description, other_load_note
+from .report import OtherLoad, machine_description, warn_if_busy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -156,9 +155,7 @@ def run(args: argparse.Namespace) -> int:
     for row in rows:
         _print_row(row, auto_shown=None in gammas)
     print(f"\n{hardware_counters_note()}")
-    busy = other_load_note(others)
-    if busy:  # after the table, on stderr as every warning (EdgeSpecWarning)
-        warnings.warn(busy, EdgeSpecWarning, stacklevel=2)
+    warn_if_busy(others)
     longest = max(len(eng.encode(p)) for p in CODE_PROMPTS)
     fits = longest + DEFAULT_MAX_NEW_TOKENS <= eng.manifest.target.max_positions  # bench's prompts, untrimmed
     print(f"total demo time {time.perf_counter() - t_all:.0f} s. Next: `edgespec bench {shlex.quote(str(bundle))}"

@@ -49,6 +49,11 @@ DRAFT_FILES = OwnedNames({"config.json", "generation_config.json", "model.safete
                          ("model-*-of-*.safetensors",))
 
 
+def foreign_names(folder: Path, owned: OwnedNames) -> list[str]:
+    """The entries of ``folder`` that are not among the ``owned`` names, sorted."""
+    return sorted(n for n in os.listdir(folder) if n not in owned)
+
+
 def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
                       owned: OwnedNames | None = None) -> None:
     """``--overwrite`` replaces only an earlier output of the same command (a folder holding
@@ -61,7 +66,7 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
         raise OutputExistsError(
             f"{flag} {str(dest)!r} exists, is not empty and is not {what} (no {marker}); --overwrite replaces only "
             f"{what}: choose another {flag} or empty the folder yourself")
-    extra = sorted(n for n in os.listdir(dest) if n not in owned) if owned is not None and dest.is_dir() else []
+    extra = foreign_names(dest, owned) if owned is not None and dest.is_dir() else []
     if extra:
         shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise OutputExistsError(

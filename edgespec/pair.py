@@ -455,15 +455,20 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
     try:
         return _train_pair_locked(p, c, dest, work, ident, seed, progress, callback, t_start, overwrite)
     except KeyboardInterrupt:
-        if work.is_dir() and (any(work.glob("*.state.pt")) or any(work.glob("*/config.json"))):
+        if _has_saved_training(work):
             print(f"edgespec: training so far is saved in {work}; run the same command again to resume from it "
                   "(delete that folder to start over)", file=sys.stderr)
         raise
     except EdgeSpecError:
         # a bad input found before any training state was saved: leave nothing behind
-        if created and work.is_dir() and not any(work.glob("*.state.pt")) and not any(work.glob("*/config.json")):
+        if created and work.is_dir() and not _has_saved_training(work):
             shutil.rmtree(work, ignore_errors=True)
         raise
+
+
+def _has_saved_training(work: Path) -> bool:
+    """The work folder holds training a rerun resumes from (a saved state or a finished model)."""
+    return work.is_dir() and (any(work.glob("*.state.pt")) or any(work.glob("*/config.json")))
 
 
 def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, seed: int, progress: bool,

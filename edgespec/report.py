@@ -44,7 +44,6 @@ class OtherLoad:
     def _sample(self) -> tuple[float, float, float] | None:
         import time
 
-        busy, found = 0, False
         try:
             with open(self._stat) as f:
                 lines = [line.split() for line in f if line.startswith("cpu")]
@@ -52,15 +51,17 @@ class OtherLoad:
             return None
         # the per-core lines of the cores this process may use; the all-cores line where those are missing
         mine = [f for f in lines if self._cpus is not None and f[0] in self._cpus]
-        for fields in mine or [f for f in lines if f[0] == "cpu"]:
+        chosen = mine or [f for f in lines if f[0] == "cpu"]
+        if not chosen:
+            return None
+        busy = 0
+        for fields in chosen:
             try:
                 # user nice system idle iowait irq softirq steal ... (USER_HZ ticks; guest is inside user)
                 user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
             except ValueError:  # a line of another shape
                 return None
-            busy, found = busy + user + nice + system + irq + softirq + steal, True
-        if not found:
-            return None
+            busy += user + nice + system + irq + softirq + steal
         return busy / os.sysconf("SC_CLK_TCK"), time.process_time(), time.perf_counter()
 
     def cores(self) -> float | None:
@@ -69,6 +70,18 @@ class OtherLoad:
             return None
         busy, own, wall = (e - s for e, s in zip(end, self._start))
         return max(0.0, (busy - own) / wall)
+
+
+def warn_if_busy(cores: float | None) -> None:
+    """After a measurement: an EdgeSpecWarning (one stderr line from the CLI) if other work took a
+    noticeable share of the cores (see other_load_note)."""
+    note = other_load_note(cores)
+    if note:
+        import warnings
+
+        from .errors import EdgeSpecWarning
+
+        warnings.warn(note, EdgeSpecWarning, stacklevel=3)
 
 
 def other_load_note(cores: float | None) -> str | None:

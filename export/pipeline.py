@@ -28,7 +28,8 @@ from edgespec import contract
 from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
 from edgespec.errors import (CheckpointError, DiskFullError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError,
                              UnsupportedArchitectureError)
-from edgespec.outputs import BUNDLE_FILES, check_replaceable, check_writable, swap_into_place, usual_permissions
+from edgespec.outputs import (BUNDLE_FILES, check_replaceable, check_writable, foreign_names, swap_into_place,
+                              usual_permissions)
 
 from . import graph_info, static_kv, validate
 from .checkpoint import Checkpoint, inspect_checkpoint
@@ -93,7 +94,7 @@ def check_output(out: Path, inputs: list[Path], overwrite: bool) -> Path:
     if dest.exists() and not dest.is_dir():
         raise OutputExistsError(f"output {str(out)!r} exists and is not a folder; choose another path")
     if dest.is_dir() and _is_stale_partial(dest):  # a killed export's folder: removed before writing, if only that
-        extra = sorted(n for n in os.listdir(dest) if n not in BUNDLE_FILES | {PARTIAL_MARKER})
+        extra = foreign_names(dest, BUNDLE_FILES | {PARTIAL_MARKER})
         if extra:
             raise OutputExistsError(f"output folder {str(out)!r} is an unfinished export that also holds what an export "
                                     f"does not write ({', '.join(extra[:5])}); move that out of it, or choose another path")
