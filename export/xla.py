@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgespec.errors import InvalidArgumentError, OutputExistsError
-from edgespec.outputs import check_replaceable, check_writable, swap_into_place, usual_permissions
+from edgespec.outputs import OwnedNames, check_replaceable, check_writable, swap_into_place, usual_permissions
 
 FORMAT = "edgespec-xla"
 FORMAT_VERSION = 1
@@ -38,6 +38,8 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 XLA_SUBDIR = "xla"
 MANIFEST = "xla.json"
 WEIGHTS = "weights.safetensors"
+# what _write_xla writes: --overwrite replaces an xla/ folder only if it holds nothing else
+XLA_FILES = OwnedNames({MANIFEST, WEIGHTS, "config.json"}, ("encode_*.bin", "extend_*.bin", "prefill_*.bin"))
 
 
 from edgespec.runtimes.xla_backend import _sha256  # noqa: E402  (one digest helper for writer and reader)
@@ -145,7 +147,7 @@ def export_xla(
     if dest.exists() and any(dest.iterdir()):
         if not overwrite:
             raise OutputExistsError(f"{dest} exists; remove it or pass --overwrite (overwrite=True)")
-        check_replaceable(dest, MANIFEST, "XLA artifacts", flag="output")
+        check_replaceable(dest, MANIFEST, "XLA artifacts", flag="output", owned=XLA_FILES)
     check_writable(out_dir)
     t0 = time.perf_counter()
     spec, params = xm.load_model(checkpoint_dir)
@@ -163,7 +165,7 @@ def export_xla(
         manifest["export_seconds"] = round(time.perf_counter() - t0, 2)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         usual_permissions(tmp, recursive=True)  # mkdtemp (0700), safetensors (0600)
-        swap_into_place(tmp, dest, overwrite, MANIFEST, "XLA artifacts", flag="output")
+        swap_into_place(tmp, dest, overwrite, MANIFEST, "XLA artifacts", flag="output", owned=XLA_FILES)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if made_out:

@@ -190,6 +190,12 @@ def test_standalone_reexport_updates_the_bundle_summary(xla_bundle, tiny_checkpo
     shutil.copytree(xla_bundle("gpt2"), b)
     before = json.loads((b / "edgespec.json").read_text())["formats"]["xla"]
     t, _ = tiny_checkpoints("gpt2")
+    # --overwrite replaces the artifacts only while xla/ holds nothing the export did not write
+    (b / "target" / "xla" / "notes.txt").write_text("precious")
+    assert xla_main([str(t), str(b / "target"), "--max-length", "32", "--verify-width", "4", "--overwrite"]) == 2
+    assert "also holds what this command did not write (notes.txt)" in capsys.readouterr().err
+    assert (b / "target" / "xla" / "notes.txt").read_text() == "precious"
+    (b / "target" / "xla" / "notes.txt").unlink()
     assert xla_main([str(t), str(b / "target"), "--max-length", "32", "--verify-width", "4", "--overwrite"]) == 0
     assert "updated the target's XLA summary" in capsys.readouterr().out
     after = json.loads((b / "edgespec.json").read_text())["formats"]["xla"]
