@@ -113,6 +113,14 @@ def main(argv=None) -> int:
             raise InvalidArgumentError(f"--draft takes NAME=DIR, NAME a new plain name (letters, digits, _ . -; it names "
                                        f"the bundle folder PAIR/bundles/NAME); got {spec!r}")
         drafts[name] = Path(path)
+    # every folder is checked before the first export: a missing one must not cost the others' exports
+    if not (args.pair / "target" / "config.json").is_file():
+        raise InvalidArgumentError(f"--pair {str(args.pair)!r} holds no target model (target/config.json); pass the "
+                                   "folder `edgespec train-pair --print-path` prints")
+    for name, folder in drafts.items():
+        if not (folder / "config.json").is_file():
+            raise InvalidArgumentError(f"draft {name!r}: {str(folder)!r} is not a model folder (no config.json); "
+                                       "--draft takes NAME=DIR with DIR a Hugging Face checkpoint folder")
     t_start = time.perf_counter()
     rows: list[dict] = []
     bundles = {name: ensure_bundle(args.pair, name, d) for name, d in drafts.items()}

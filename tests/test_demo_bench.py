@@ -575,6 +575,12 @@ def test_paper_tables_never_deletes_a_folder_it_did_not_write(tmp_path, tiny_che
     (notes / "README.txt").write_text("mine")
     mod = _script("paper_tables")
     base = ["--pair", str(pair), "--out", str(tmp_path / "out")]
+    # missing folders are refused before any export (it used to export the pair's draft first)
+    with pytest.raises(InvalidArgumentError, match="holds no target model"):
+        mod.main(["--pair", str(tmp_path / "nopair"), "--out", str(tmp_path / "out")])
+    with pytest.raises(InvalidArgumentError, match="is not a model folder"):
+        mod.main(base + ["--draft", f"x={tmp_path / 'none'}"])
+    assert not (pair / "bundles" / "pair-draft").exists()
     with pytest.raises(InvalidArgumentError, match="exists and is not a bundle"):
         mod.main(base + ["--draft", f"notes={d}"])
     assert (notes / "README.txt").read_text() == "mine"
