@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-
 from edgespec.cli import at_least
+from edgespec.errors import InvalidArgumentError
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.report import machine_description, write_json
 
@@ -182,7 +182,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=at_least(1), default=3)
     ap.add_argument("--max-new-tokens", type=at_least(1), default=64)
     ap.add_argument("--threads", type=at_least(0), default=1, help="target intra-op threads, every system (default 1)")
-    ap.add_argument("--draft-threads", type=int, default=1, help="draft intra-op threads, edgespec and genai (default 1)")
+    ap.add_argument("--draft-threads", type=at_least(0), default=1, help="draft intra-op threads, edgespec and genai (default 1)")
     ap.add_argument("--spin", choices=("on", "off"), default="on",
                     help="edgespec's ORT spin-waiting (default on, ORT's default, which genai keeps)")
     ap.add_argument("--hf-serve", action="store_true", help=argparse.SUPPRESS)  # the transformers child
@@ -191,6 +191,14 @@ def main() -> int:
         return _hf_serve(args)
     import edgespec
 
+    # the PyTorch peers load these: checked before any measurement (a missing one used to surface
+    # as a child process that "did not start", after the other systems had run)
+    for what, folder in (("--pair's target", args.pair / "target"),
+                         ("--draft-dir" if args.draft_dir else "--pair's draft", args.draft_dir or args.pair / "draft")):
+        if not (folder / "config.json").is_file():
+            raise InvalidArgumentError(f"{what} {str(folder)!r} is not a model folder (no config.json); --pair takes the "
+                                       "folder `edgespec train-pair --print-path` prints, --draft-dir the Hugging Face "
+                                       "folder of the bundle's draft")
     bundle = args.bundle or args.pair / "bundle"
     eng = edgespec.load(bundle, threads=args.threads, draft_threads=args.draft_threads, spinning=args.spin == "on")
     prompts = [eng.encode(p) for p in CODE_PROMPTS[:4]]

@@ -593,6 +593,26 @@ def test_paper_tables_never_deletes_a_folder_it_did_not_write(tmp_path, tiny_che
     assert not (tmp_path / "victim").exists() and not (tmp_path / "out").exists()
 
 
+def test_peers_checks_the_pytorch_peers_folders_first(tmp_path, tiny_checkpoints, monkeypatch):
+    """A missing --draft-dir (or pair folder) is refused before any system is measured; it used to
+    show up as a transformers child that "did not start", after the other peers had run."""
+    import shutil
+    import sys
+
+    pair = tmp_path / "pair"
+    t, d = tiny_checkpoints("llama")
+    shutil.copytree(t, pair / "target")
+    shutil.copytree(d, pair / "draft")
+    mod = _script("peers")
+    for extra, match in ((["--draft-dir", str(tmp_path / "none")], "--draft-dir .* is not a model folder"),
+                         ([], "--pair's target .* is not a model folder")):
+        argv = ["peers.py", "--pair", str(pair if extra else tmp_path / "nopair"), "--out", str(tmp_path / "o")]
+        monkeypatch.setattr(sys, "argv", argv + extra)
+        with pytest.raises(InvalidArgumentError, match=match):
+            mod.main()
+    assert not (tmp_path / "o").exists()
+
+
 def test_graphs_script_labels_rows_by_the_bundles_layout(tmp_path, tiny_checkpoints):
     from edgespec.export.pipeline import ExportOptions, export_bundle
 
