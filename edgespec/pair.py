@@ -414,7 +414,8 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
     """Train (or reuse) a target/draft pair and return its folder.
 
     ``out=None`` caches the pair at :func:`default_pair_dir` and returns it at once when it is
-    already complete. An explicit ``out`` must not exist unless ``overwrite``. An interrupted run
+    already complete. An explicit ``out`` holding a pair of the same recipe is reused likewise;
+    anything else there is an error unless ``overwrite`` (which retrains). An interrupted run
     resumes from ``<out>.work``. ``callback(role, step)`` runs after every training step (tests use
     it to interrupt a run).
     """
@@ -422,17 +423,22 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
     p = get_preset(preset)
     _check_int("seed", seed, 0)
     c = load_documents(corpus)
+    ident = _identity(p, seed, c.description)
+
+    def reused(dest: Path, fix: str) -> bool:
+        """A complete pair of this recipe is at dest (reuse it); one of another recipe is an error."""
+        if not is_complete(dest):
+            return False
+        if json.loads((dest / "pair.json").read_text()).get("identity") != ident:
+            raise OutputExistsError(f"{dest} holds a pair trained with a different recipe (preset, corpus or seed); {fix}")
+        if progress:
+            print(f"edgespec: reusing the trained pair in {dest}", file=sys.stderr)
+        return True
+
     if out is None:
         dest = (cache_root() / "pairs" / _pair_dir_name(p, c.sha256, seed)).absolute()
-        if is_complete(dest):
-            meta = json.loads((dest / "pair.json").read_text())
-            if _identity(p, seed, c.description) == meta.get("identity"):
-                if progress:
-                    print(f"edgespec: reusing the trained pair in {dest}", file=sys.stderr)
-                return dest
-            raise OutputExistsError(
-                f"{dest} holds a pair trained with a different recipe; delete it to retrain"
-            )
+        if reused(dest, "delete it to retrain"):
+            return dest
         if dest.exists():
             raise OutputExistsError(f"{dest} exists but is not a complete pair (no pair.json); delete it to retrain")
     else:
@@ -440,6 +446,9 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
         if dest.exists() and not dest.is_dir():
             raise OutputExistsError(f"--out {str(dest)!r} is a file; give a folder for the pair (a new one, or an "
                                     "earlier pair with --overwrite)")
+        # the same command run again reuses its pair, as the cache does (scripts rerun it with --print-path)
+        if not overwrite and dest.is_dir() and reused(dest, "choose another --out, or pass --overwrite to retrain it"):
+            return dest.absolute()
         if dest.exists() and not overwrite:
             raise OutputExistsError(f"output folder {dest} exists; choose another --out or pass --overwrite")
         check_replaceable(dest, "pair.json", "a trained pair", owned=PAIR_FILES)
@@ -449,7 +458,6 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
         check_writable(dest, "pair folder in the cache", "set EDGESPEC_CACHE to a writable folder (or pass --out DIR)")
     dest = dest.absolute()
     work = dest.with_name(dest.name + ".work")
-    ident = _identity(p, seed, c.description)
     created = not work.exists()
     work.mkdir(parents=True, exist_ok=True)
     try:
@@ -610,10 +618,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus", nargs="+", metavar="FILE", type=Path, default=None,
                         help="text files or folders to train on (default: this Python's standard library sources)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output folder (default: the cache, $EDGESPEC_CACHE/pairs/<preset>-<corpus hash>, reused when present)")
+                        help="output folder (default: the cache, $EDGESPEC_CACHE/pairs/<preset>-<corpus hash>); a pair of the same recipe already there is reused")
     parser.add_argument("--seed", type=at_least(0), default=0, help="random seed of the initial weights and batches (torch's CPU kernels are not bit-reproducible "
                              "across runs, so weights of two runs differ slightly)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier pair at --out (only a pair folder that holds nothing else)")
+    parser.add_argument("--overwrite", action="store_true", help="retrain and replace an earlier pair at --out (only a pair folder that holds nothing else)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--print-path", action="store_true",
                         help="print only the pair folder (train or reuse it first), for scripts")

@@ -149,6 +149,12 @@ def test_output_exists_and_overwrite(pair, corpus, tmp_path):
         train_pair("tiny", corpus, out, progress=False)
     assert train_pair("tiny", corpus, out, progress=False, overwrite=True) == out.absolute()
     assert (out / "pair.json").is_file()
+    # run again without --overwrite: the pair of the same recipe is reused, as the cache's is
+    stamp = (out / "pair.json").stat().st_mtime_ns
+    assert train_pair("tiny", corpus, out, progress=False, callback=lambda r, s: pytest.fail("retrained")) == out.absolute()
+    assert (out / "pair.json").stat().st_mtime_ns == stamp
+    with pytest.raises(OutputExistsError, match="different recipe .*pass --overwrite to retrain"):
+        train_pair("tiny", corpus, out, seed=1, progress=False)
     # a pair folder that also holds drafts distilled or bundles exported into it (benchmarks/run_all.sh
     # keeps hours of work there): --overwrite refuses, before any training, and deletes nothing
     (out / "distilled").mkdir()
