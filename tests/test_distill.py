@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from edgespec.cli import main  # noqa: E402
 from edgespec.distill import distill, measure_alpha, resolve_size  # noqa: E402
-from edgespec.errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError  # noqa: E402
+from edgespec.errors import CheckpointError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError, TrainingError  # noqa: E402
 from edgespec.pair import train_pair  # noqa: E402
 
 _FILES = ["argparse.py", "json/decoder.py", "json/encoder.py", "textwrap.py", "string.py", "bisect.py",
@@ -126,9 +126,32 @@ def test_distill_cli_with_baseline(target, corpus, tmp_path, capsys):
 
 
 def test_distill_with_a_single_eval_window(target, corpus, tmp_path):
-    r = distill(target, tmp_path / "d", hidden=16, layers=1, heads=1, intermediate=32, corpus=corpus, steps=1,
-                batch_size=2, eval_windows=1, progress=False)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EdgeSpecWarning)   # a draft well below the target's size: no warning
+        r = distill(target, tmp_path / "d", hidden=16, layers=1, heads=1, intermediate=32, corpus=corpus, steps=1,
+                    batch_size=2, eval_windows=1, progress=False)
     assert set(r["alpha_on_target_after"]) == {"T0", "T1"}
+    assert r["draft_params"] * 2 < _params(target)
+
+
+def _params(folder: Path) -> int:
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "np") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def test_distill_warns_of_a_draft_as_large_as_its_target(target, corpus, tmp_path):
+    """`--size tiny` is larger than the tiny preset's target: a draft that costs nearly a target step
+    gains nothing, so distill says so (it still trains what was asked for)."""
+    with pytest.warns(EdgeSpecWarning, match=r"of the target's .*choose a smaller --size"):
+        distill(target, tmp_path / "d", size="tiny", corpus=corpus, steps=1, batch_size=2, eval_windows=1,
+                progress=False)
+    assert (tmp_path / "d" / "distill.json").is_file()
 
 
 def test_continuations_are_the_targets_own_text(target):
