@@ -133,7 +133,8 @@ class LookaheadDrafter(ModelDrafter):
 
     def __init__(self, backend: Backend):
         super().__init__(backend)
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # a Queue, not a SimpleQueue: its join() waits for exactly the jobs that were queued (abandon)
+        self._jobs: queue.Queue = queue.Queue()
         self._done = threading.Event()
         self._busy = False
         self._cancel = False
@@ -143,11 +144,13 @@ class LookaheadDrafter(ModelDrafter):
         self._thread: threading.Thread | None = None
         self.reused_rounds = 0               # rounds whose drafts were made during the previous verify
         self.wait_s = 0.0                    # time the caller spent waiting for the worker (draft time it saw)
+        self.starts = 0                      # generations started: the loop abandons only its own (see abandon)
 
     def start(self, prompt: np.ndarray) -> None:
         self._join()
         self._ahead = None
         super().start(prompt)
+        self.starts += 1
 
     def propose(self, generated: list[int], gamma: int, sampling: SamplingConfig,
                 rng: np.random.Generator, vocab: int,
@@ -196,14 +199,14 @@ class LookaheadDrafter(ModelDrafter):
     def abandon(self) -> None:
         """Stop and wait for the worker's job when a round ends in an error (the draft is then free
         for other callers); its drafts are dropped. The worker's own error, if any, is not raised:
-        the caller is already raising the one that ended the round."""
-        if self._busy:
-            self._cancel = True
-            try:
-                self._join()
-            except BaseException:  # noqa: BLE001  (see the docstring)
-                pass
-        self._ahead = None
+        the caller is already raising the one that ended the round.
+
+        It waits for every job that reached the queue, not for ``_busy``: an interrupt inside
+        ``_launch`` can leave ``_busy`` set for a job that was never queued (waiting for it would
+        hang) or a queued job unrecorded (using the draft beside it would corrupt its cache)."""
+        self._cancel = True
+        self._jobs.join()
+        self._busy, self._result, self._ahead = False, None, None
 
     def close(self) -> None:
         """Stop the worker thread (a later round starts a new one)."""
@@ -244,12 +247,13 @@ class LookaheadDrafter(ModelDrafter):
         self._ahead = None if self._cancel else (self._at, *result)
 
 
-def _lookahead_worker(jobs: queue.SimpleQueue, done: threading.Event, ref: weakref.ref) -> None:
+def _lookahead_worker(jobs: queue.Queue, done: threading.Event, ref: weakref.ref) -> None:
     always = lambda i, c: True  # noqa: E731  (confidences are needed by the next round's policy)
     while True:
         job = jobs.get()
         me = ref() if job is not None else None
         if me is None:
+            jobs.task_done()
             return
         feed, k, sampling, us, vocab = job
         try:
@@ -259,6 +263,7 @@ def _lookahead_worker(jobs: queue.SimpleQueue, done: threading.Event, ref: weakr
             me._result = e
         del me
         done.set()
+        jobs.task_done()
 
 
 class NgramDrafter:

@@ -292,7 +292,7 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
         policy = policy if policy is not None else AdaptiveGamma(config.max_gamma)
     else:
         policy = None
-    started = False  # the draft's prefill waits for the first drafted round (there may be none)
+    started, mine = False, None  # the draft's prefill waits for the first drafted round (there may be none)
     try:
         while reason is None:
             remaining = config.max_new_tokens - len(out)
@@ -307,7 +307,7 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
                     t0 = time.perf_counter()
                     drafter.start(prompt)
                     stats.prefill_s += time.perf_counter() - t0
-                    started = True
+                    started, mine = True, getattr(drafter, "starts", None)
                 gamma = min(gamma, drafter.room(len(out)))
             if gamma > 0:
                 tokens, kinds = speculative_step(target, drafter, out, gamma, config, rng, vocab, stats, policy)
@@ -319,7 +319,9 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
             stats.round_tokens -= len(tokens) - len(block)
             yield block
     except BaseException:  # an error, Ctrl-C or a stream closed early: no drafting thread may outlive the round
-        if hasattr(drafter, "abandon"):
+        # Only if the drafter still runs this generation: a stream closed (or superseded) and
+        # collected later must not stop the worker of the generation that took the engine since.
+        if started and hasattr(drafter, "abandon") and getattr(drafter, "starts", None) == mine:
             drafter.abandon()
         raise
     stats.emitted = len(out)

@@ -427,6 +427,54 @@ def test_a_failed_round_stops_the_lookahead_worker():
     look.close()
 
 
+@pytest.mark.parametrize("where", ["before the put", "after the put"])
+def test_an_interrupt_inside_the_lookahead_launch_neither_hangs_nor_overlaps(where):
+    """Ctrl-C can land between marking the worker busy and queueing its job, or just after the job
+    is queued: the loop's cleanup must neither wait for a job that was never queued (a hang) nor
+    leave a queued job running beside the next call's drafting (the draft's cache corrupted)."""
+    import queue
+    import threading
+
+    from edgespec.drafters import LookaheadDrafter
+
+    class Interrupting(queue.Queue):
+        puts = 0
+
+        def put(self, job, *a, **k):
+            if job is not None:
+                Interrupting.puts += 1
+                if Interrupting.puts == 3 and where == "before the put":
+                    raise KeyboardInterrupt
+            super().put(job, *a, **k)
+            if job is not None and Interrupting.puts == 3 and where == "after the put":
+                raise KeyboardInterrupt
+
+    t, d = toy_pair(16, 2, 0.3)
+    draft = _Counting(d.model, 256, delay=0.003)
+    c = cfg(max_new_tokens=40, gamma=3, sampling=SamplingConfig(1.0))
+    ref = LookaheadDrafter(_Counting(d.model, 256))
+    fresh = generate(ToyBackend(t.model, 256), [1, 2, 3], c, np.random.default_rng(0), draft=ref).tokens
+    ref.close()
+    look = LookaheadDrafter(draft)
+    look._jobs = Interrupting()
+    seen: list = []
+
+    def run():
+        try:
+            generate(ToyBackend(t.model, 256), [1, 2, 3], c, np.random.default_rng(0), draft=look)
+        except KeyboardInterrupt:
+            seen.append("interrupted")
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(20)
+    assert not worker.is_alive(), "the interrupted call hangs in its cleanup"
+    assert seen == ["interrupted"] and not look._busy
+    again = generate(ToyBackend(t.model, 256), [1, 2, 3], c, np.random.default_rng(0), draft=look)
+    assert draft.overlaps == 0 and again.tokens == fresh
+    look.close()
+
+
 def test_lookahead_waits_count_as_draft_time():
     """The caller's waits for the lookahead worker are draft time (c), not sampling time."""
     from edgespec.drafters import LookaheadDrafter

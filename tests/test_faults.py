@@ -328,7 +328,7 @@ def test_busy_timeout_refuses_clearly(engine, tiny_bundle):
 @pytest.mark.parametrize("drafter", ["model", "lookahead"])
 @pytest.mark.parametrize("arch", ["gpt2", "t5"])
 @pytest.mark.parametrize("how", ["break", "close", "keyboard-interrupt-in-consumer", "keyboard-interrupt-in-model",
-                                 "abandoned-iterator"])
+                                 "abandoned-iterator", "closed-and-collected-during-the-next"])
 def test_interrupted_stream_leaves_the_engine_usable(tiny_bundle, arch, how, drafter):
     """Also with the lookahead drafter, whose worker thread may be drafting when the interrupt comes."""
     bundle = tiny_bundle(arch)
@@ -364,6 +364,21 @@ def test_interrupted_stream_leaves_the_engine_usable(tiny_bundle, arch, how, dra
         with pytest.raises(KeyboardInterrupt):
             list(s)
         del eng.target.extend
+    elif how == "closed-and-collected-during-the-next":
+        # the closed stream's generator is finalised while a later call runs: its cleanup must
+        # not stop the lookahead worker of that call (the seeded text changed)
+        import gc
+
+        it = iter(s)
+        next(it), next(it)
+        s.close()
+        got = []
+        for i, c in enumerate(eng.generate(PROMPT, seed=5, stream=True, **kw)):
+            got += c.ids
+            if i == 2:
+                del it, s
+                gc.collect()
+        assert got == fresh
     else:  # the consumer keeps its iterator but never resumes it
         keep = iter(s)
         next(keep)
