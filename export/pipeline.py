@@ -71,8 +71,21 @@ class ExportOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
                 raise InvalidArgumentError(f"--{name.replace('_', '-')} must be a finite number > 0; got {v!r}")
-        if self.opset is not None and (not isinstance(self.opset, int) or self.opset < 14):
-            raise InvalidArgumentError(f"--opset must be an integer >= 14; got {self.opset!r}")
+        if self.opset is not None:
+            top = _max_opset()
+            if isinstance(self.opset, bool) or not isinstance(self.opset, int) or not 14 <= self.opset <= (top or self.opset):
+                raise InvalidArgumentError(f"--opset must be an integer from 14 to {top} (the highest this torch "
+                                           f"exports); got {self.opset!r}" if top else
+                                           f"--opset must be an integer >= 14; got {self.opset!r}")
+
+
+def _max_opset() -> int | None:
+    """The highest ONNX opset the installed torch exports (a higher one fails deep in its tracer)."""
+    try:
+        from torch.onnx._constants import ONNX_MAX_OPSET
+        return int(ONNX_MAX_OPSET)
+    except Exception:  # noqa: BLE001  (a private constant: without it only the lower bound is checked)
+        return None
 
 
 def _stderr_progress(message: str) -> None:

@@ -107,6 +107,10 @@ def test_opset_applies_to_optimum_graphs_only(tiny_checkpoints, tmp_path, capsys
     target, _ = tiny_checkpoints("llama")
     assert main(["export", "--model", str(target), "--out", str(tmp_path / "a"), "--opset", "14"]) == 2
     assert "drop --opset, or add --graph optimum" in capsys.readouterr().err
+    for bad in ("13", "99"):   # 99: beyond what torch exports (it failed deep in its tracer, with a traceback)
+        assert main(["export", "--model", str(target), "--out", str(tmp_path / "a"), "--opset", bad, "--graph",
+                     "optimum"]) == 2
+        assert "--opset must be an integer from 14 to" in capsys.readouterr().err
     assert main(["export", "--model", str(target), "--out", str(tmp_path / "b"), "--opset", "17", "--graph", "optimum",
                  "--quiet"]) == 0
     assert load_bundle(tmp_path / "b").opset == 17
