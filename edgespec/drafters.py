@@ -29,6 +29,10 @@ KeepGoing = Callable[[int, float], bool]
 class ModelDrafter:
     """Drafts autoregressively with a draft model through the Backend protocol."""
 
+    # EOS and stop ids (the loop sets them per call): nothing after one can be emitted, so drafting
+    # stops there. A draft length chosen from the drafts alone leaves Appendix A.1 intact.
+    end_ids: frozenset[int] = frozenset()
+
     def __init__(self, backend: Backend):
         self.backend = backend
         self.vocab_size = backend.vocab_size
@@ -84,6 +88,8 @@ class ModelDrafter:
             conf[g] = self._pick(g, logits[0], ids, q[g], sampling, uniform, keep_going is not None)
             feed = ids[g:g + 1]
             g += 1
+            if int(ids[g - 1]) in self.end_ids:
+                break
             if keep_going is not None and g < gamma and not keep_going(g, conf[g - 1]):
                 break
             if stop is not None and stop():
@@ -174,7 +180,7 @@ class LookaheadDrafter(ModelDrafter):
             self.backend.rewind_to(min(self.backend.length, self._base + known))
             ids, q, conf = super().propose(generated, gamma, sampling, rng, vocab, keep_going)
         k = min(gamma + 1, self.backend.max_length - self.backend.length - 1)
-        if ids.shape[0] and k > 0:
+        if ids.shape[0] and k > 0 and int(ids[-1]) not in self.end_ids:  # (nothing follows an EOS or stop id)
             # Uniforms drawn here, in the main thread, so the run's generator is consumed the same
             # way whatever the worker gets done before it is stopped.
             us = iter(rng.random(k).tolist()) if not sampling.greedy else None
@@ -274,6 +280,7 @@ class NgramDrafter:
     """
 
     vocab_size = None
+    end_ids: frozenset[int] = frozenset()   # as ModelDrafter's: the proposal ends at the first one
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
         NgramIndex.check(max_ngram, min_ngram)
@@ -293,6 +300,7 @@ class NgramDrafter:
         found = toks[nxt:nxt + gamma] if nxt is not None else []
         # up to the first id outside the sample space (dropping it would shift the later ones)
         found = found[:next((j for j, t in enumerate(found) if t >= vocab), len(found))]
+        found = found[:next((j + 1 for j, t in enumerate(found) if t in self.end_ids), len(found))]
         ids = np.asarray(found, dtype=np.int64)                                # [g]
         q = np.zeros((ids.shape[0], vocab))                                    # [g, V] one-hot
         q[np.arange(ids.shape[0]), ids] = 1.0

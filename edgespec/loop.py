@@ -293,6 +293,8 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     else:
         policy = None
     started, mine = False, None  # the draft's prefill waits for the first drafted round (there may be none)
+    if hasattr(drafter, "end_ids"):  # drafting stops at an EOS or stop id: nothing after it is emitted
+        drafter.end_ids = frozenset(config.eos_token_ids) | frozenset(config.stop_token_ids)
     try:
         while reason is None:
             remaining = config.max_new_tokens - len(out)

@@ -143,7 +143,20 @@ def test_eos_inside_a_block_cuts_there():
     for res in (r, r2):
         st = res.stats
         assert 1 + st.plain_steps + st.round_tokens == st.emitted == len(res.tokens)
-        assert st.accepted > st.round_tokens - st.rounds  # the target kept drafts the output does not hold
+        # drafting stops at a drafted EOS / stop id (nothing after it can be emitted): every kept
+        # draft is in the output, and alpha does not count positions past the end (it grew with gamma)
+        assert st.accepted == res.sources.count("accepted")
+    from edgespec.drafters import LookaheadDrafter, NgramDrafter
+
+    c = cfg(max_new_tokens=100, gamma=6, sampling=GREEDY, eos_token_ids=(eos,))
+    prompt = [1] + ref[:first + 3]     # holds the text before the eos and the eos: the lookup proposes it
+    plain = generate(target, prompt, c, np.random.default_rng(0)).tokens
+    assert plain[-1] == eos
+    for drafter in (NgramDrafter(), LookaheadDrafter(draft)):
+        res = generate(target, prompt, c, np.random.default_rng(0), drafter)
+        assert res.tokens == plain and res.stats.accepted == res.sources.count("accepted"), drafter
+        if isinstance(drafter, LookaheadDrafter):
+            drafter.close()
 
 
 @pytest.mark.parametrize("max_new", [1, 2, 5, 9, 10, 11])
