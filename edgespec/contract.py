@@ -26,6 +26,9 @@ BUNDLE_FORMAT = "edgespec-bundle"  # the manifest's "format"
 
 KIND_DECODER = "decoder"  # decoder-only causal LM: one graph, past may be empty
 KIND_SEQ2SEQ = "seq2seq"  # encoder-decoder (T5): encoder, first decoder step, decoder with past
+# A T5 bundle's decoder positions (relative attention has no hard limit; T5 was trained on 512
+# tokens): the ONNX manifest's max_positions, and the most an XLA export's --max-length may be.
+T5_MAX_POSITIONS = 512
 
 # ---- files inside a model folder (bundle/target, bundle/draft) --------------------------------
 DECODER_FILE = "model.onnx"

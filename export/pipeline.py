@@ -41,7 +41,6 @@ DEFAULT_QUANTIZED_ATOL = 1.0  # int8 weights: logits move by O(0.1); this only c
 # ... and relative to the logits' range (validate.summarize): a broken graph of a model with small
 # logits stays under any absolute bound (an int8 graph with all-zero weights: 0.57 on a tiny Llama)
 QUANTIZED_RTOL = 0.25
-T5_DEFAULT_MAX_POSITIONS = 512  # relative attention has no hard limit; T5 was trained on 512 tokens
 # auto: the static-KV graph where the architecture has one (llama, gpt2), optimum's traced graph
 # otherwise; static: require it; optimum: always the traced graph (KV concat layout).
 GRAPH_CHOICES = ("auto", "static", "optimum")
@@ -157,7 +156,7 @@ def _max_positions(ckpt: Checkpoint) -> int:
             n = int(ckpt.config[key])
             return min(n, _rope_switch(ckpt.config) or n)
     if ckpt.kind == contract.KIND_SEQ2SEQ:
-        return T5_DEFAULT_MAX_POSITIONS
+        return contract.T5_MAX_POSITIONS
     raise UnsupportedArchitectureError(f"{ckpt.path}/config.json has no max_position_embeddings / n_positions; add it and export again")
 
 

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from edgespec import contract
 from edgespec.errors import InvalidArgumentError, OutputExistsError
 from edgespec.outputs import OwnedNames, check_replaceable, check_writable, swap_into_place, usual_permissions
 
@@ -76,8 +77,12 @@ def check_xla_options(checkpoint_dir: str | Path, platforms: Sequence[str] = ("c
         max_length = min(spec.max_positions, 2048) if spec.max_positions else 512
     max_length = _check_int("max_length", max_length, 2)
     xm.check_max_length(spec, max_length)
+    if spec.encoder_decoder and max_length > contract.T5_MAX_POSITIONS:  # the ONNX runtime's limit for the same bundle
+        raise InvalidArgumentError(f"max_length={max_length} exceeds the {contract.T5_MAX_POSITIONS} decoder positions of "
+                                   f"a T5 bundle; pass --max-length {contract.T5_MAX_POSITIONS} or less")
     if verify_width > max_length:
-        raise InvalidArgumentError(f"verify_width={verify_width} exceeds max_length={max_length}")
+        raise InvalidArgumentError(f"verify_width={verify_width} (--verify-width, default 9) exceeds max_length="
+                                   f"{max_length} (--max-length); lower --verify-width or raise --max-length")
     widths = sorted({_check_int("width", w, 1) for w in (widths or range(1, verify_width + 1))})
     if 1 not in widths or widths[-1] > verify_width:
         raise InvalidArgumentError(f"widths {widths} must contain 1 and none may exceed verify_width={verify_width}")
