@@ -197,8 +197,10 @@ def run(args: argparse.Namespace) -> int:
                                vocab_size=ob.manifest.sample_vocab_size, max_gamma=max_gamma)
     except PromptTooLongError as exc:  # the user may not have written these prompts: say which knob to turn
         which = "the built-in prompts" if args.prompts is None else f"a prompt of {args.prompts}"
-        raise PromptTooLongError(f"{exc} ({which}: pass --prompts FILE with shorter prompts, or lower "
-                                 "--max-new-tokens)") from None
+        fix = {"prompt": f"{which}: pass --prompts FILE with shorter prompts",
+               "max_new_tokens": "lower --max-new-tokens"}.get(exc.knob, f"{which}: pass --prompts FILE with shorter "
+                                                                          "prompts, or lower --max-new-tokens")
+        raise PromptTooLongError(f"{exc} ({fix})", exc.knob) from None
     rows = [r.summary() for r in results]
     others = others_cpu.cores()
     print(format_table(rows))

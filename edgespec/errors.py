@@ -25,7 +25,13 @@ class NonFiniteLogitsError(EdgeSpecError, FloatingPointError):
 
 
 class PromptTooLongError(InvalidArgumentError):
-    """Prompt (plus max_new_tokens) does not fit the model's positions or KV buffers."""
+    """Prompt (plus max_new_tokens) does not fit the model's positions or KV buffers.
+
+    ``knob``: what fixes it, "prompt" (a shorter one), "max_new_tokens" (fewer), or None (either)."""
+
+    def __init__(self, message: str, knob: str | None = None):
+        super().__init__(message)
+        self.knob = knob
 
 
 class BundleError(EdgeSpecError):

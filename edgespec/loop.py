@@ -132,7 +132,7 @@ def _check_prompt(prompt_ids: Sequence[int], target: Backend) -> np.ndarray:
             f"prompt token ids must be in [0, {target.vocab_size}); got min {prompt.min()}, max {prompt.max()}")
     if prompt.size > target.max_length:
         raise PromptTooLongError(
-            f"the prompt has {prompt.size} tokens but the model takes at most {target.max_length}; shorten it")
+            f"the prompt has {prompt.size} tokens but the model takes at most {target.max_length}; shorten it", "prompt")
     return prompt
 
 
@@ -279,7 +279,7 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
         room = target.max_length - target.length + 1
         if getattr(target, "is_encoder_decoder", target.length < prompt.size):  # the prompt went to the encoder
             raise PromptTooLongError(f"max_new_tokens ({config.max_new_tokens}) exceeds the decoder's {target.max_length} "
-                                     f"positions; lower max_new_tokens to at most {max(room, 0)}")
+                                     f"positions; lower max_new_tokens to at most {max(room, 0)}", "max_new_tokens")
         raise PromptTooLongError(
             f"prompt ({prompt.size} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the model's "
             f"{target.max_length} positions; shorten the prompt or lower max_new_tokens to at most {max(room, 0)}")

@@ -507,7 +507,7 @@ class OnnxSeq2SeqBackend(_PositionCache):
     def prefill(self, ids) -> np.ndarray:
         src = _as_ids(ids, self.vocab_size)
         if src.shape[1] > self.max_length:
-            raise PromptTooLongError(f"prompt has {src.shape[1]} tokens but the encoder takes at most {self.max_length}; shorten it")
+            raise PromptTooLongError(f"prompt has {src.shape[1]} tokens but the encoder takes at most {self.max_length}; shorten it", "prompt")
         mask = np.ones_like(src)
         # The encoder runs once per prompt; its output only feeds the first decoder call, which
         # returns the cross-attention KV reused (bound, never copied) by every later call.
@@ -532,7 +532,7 @@ class OnnxSeq2SeqBackend(_PositionCache):
         p, k = self._len, arr.shape[1]
         total = p + k
         if total > self.max_length:
-            raise PromptTooLongError(f"decoder would reach {total} tokens but the model allows {self.max_length}; ask for fewer new tokens")
+            raise PromptTooLongError(f"decoder would reach {total} tokens but the model allows {self.max_length}; ask for fewer new tokens", "max_new_tokens")
         hidden, mask, cross = self._enc_state
         kv = self._kv
         kv.prepare(p)

@@ -293,7 +293,7 @@ class XlaBackend:
             if n > E:
                 raise PromptTooLongError(
                     f"the prompt has {n} tokens but the T5 encoder was exported for at most {E}; shorten it or "
-                    f"re-export with a larger --max-source-length (e.g. --max-source-length {max(n, 2 * E)})")
+                    f"re-export with a larger --max-source-length (e.g. --max-source-length {max(n, 2 * E)})", "prompt")
             buf = np.zeros(E, np.int32)
             buf[:n] = a
             self._cross, self._kv = self._encode[E](self._params, self._put(buf), np.int32(n))
@@ -304,7 +304,7 @@ class XlaBackend:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens but the XLA artifacts hold at most {self.max_length} "
                 f"(static KV buffers); shorten it or re-export with a larger --max-length "
-                f"(e.g. --max-length {max(n + 64, 2 * self.max_length)})")
+                f"(e.g. --max-length {max(n + 64, 2 * self.max_length)})", "prompt")
         bucket = next((b for b in self.prefill_buckets if b >= n), self.prefill_buckets[-1])
         head = min(n, bucket)
         buf = np.zeros(bucket, np.int32)

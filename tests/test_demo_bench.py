@@ -206,6 +206,15 @@ def test_bench_bad_input(tiny_bundle, tmp_path, capsys):
         assert main(["bench", str(tiny_bundle("llama")), "--repeats", "1", *extra]) == 2, extra
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, (extra, err)
+    # a length error names the knob that fixes it: the prompts, the new tokens, or either
+    long = tmp_path / "long.txt"
+    long.write_text("the cat sat on the mat " * 60)
+    base = ["--repeats", "1", "--gammas", "2", "--temperatures", "0"]
+    for bundle, extra, fix in (("llama", ["--prompts", str(long)], f"a prompt of {long}: pass --prompts FILE with shorter prompts)"),
+                               ("t5", ["--max-new-tokens", "600"], "positions; lower max_new_tokens to at most 512 (lower --max-new-tokens)"),
+                               ("llama", ["--max-new-tokens", "120"], "shorter prompts, or lower --max-new-tokens)")):
+        assert main(["bench", str(tiny_bundle(bundle)), *base, *extra]) == 2, extra
+        assert capsys.readouterr().err.strip().endswith(fix), extra
 
 
 def test_bench_prompt_file_separators(tmp_path):
