@@ -34,7 +34,7 @@ from .bundle import BundleManifest, load_bundle
 from .config import DRAFTERS, GenerationConfig, SamplingConfig, as_float, as_int
 from .drafters import HybridDrafter, LookaheadDrafter, NgramDrafter
 from .report import usable_cores
-from .errors import (BundleError, EdgeSpecWarning, EngineBusyError, InvalidArgumentError, PromptTooLongError,
+from .errors import (BundleError, EdgeSpecError, EdgeSpecWarning, EngineBusyError, InvalidArgumentError, PromptTooLongError,
                      TokenizerMismatchError)
 
 DEFAULT_MAX_GAMMA = 8
@@ -661,6 +661,7 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
             raise BundleError(f"{root} has no XLA artifacts; re-export it with `edgespec export ... --format onnx+xla`")
 
         def open_model(m, cfg):
+            _check_xla_is_the_onnx_model(root / m.path)
             be = XlaBackend.from_dir(root / m.path, platform=platform)
             if be.vocab_size != m.vocab_size:  # the ONNX backends check their logits' shape the same way
                 raise BundleError(f"{root / m.path}: the XLA artifacts give {be.vocab_size} logits per position, the "
@@ -679,6 +680,28 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
             "not distributed exactly as plain decoding's; re-export the bundle (`edgespec export --quantize-target "
             "int8` now writes a causal per-token int8 target)", EdgeSpecWarning, stacklevel=2)
     return Engine(root, manifest, target, draft, tokenizer, target_threads=threads if runtime == "onnx" else None)
+
+
+def _check_xla_is_the_onnx_model(model_dir: Path) -> None:
+    """The XLA artifacts in model_dir/xla must be the model whose ONNX graphs sit beside them (the
+    export writes both from one checkpoint; a folder copied or re-exported by hand may not be):
+    their config.json files must describe the same architecture."""
+    from .runtimes import xla_models as xm
+
+    if not (model_dir / contract.CONFIG_FILE).is_file() or not (model_dir / "xla" / contract.CONFIG_FILE).is_file():
+        return  # nothing to compare (the XLA loader reports a missing xla/ itself)
+    try:
+        onnx, xla = (xm.spec_from_config(xm.read_config(d)) for d in (model_dir, model_dir / "xla"))
+    except EdgeSpecError as exc:
+        raise BundleError(f"{model_dir}: cannot compare the XLA artifacts with the ONNX model ({exc}); re-export the "
+                          "bundle") from exc
+    if onnx != xla:
+        diff = [f"{k} {getattr(onnx, k)!r} vs {getattr(xla, k)!r}" for k in onnx.__dataclass_fields__
+                if getattr(onnx, k) != getattr(xla, k)]
+        raise BundleError(f"{model_dir}: the XLA artifacts in xla/ are another model than the ONNX graphs beside them "
+                          f"(ONNX vs XLA: {'; '.join(diff[:4])}); re-export both from one checkpoint (`edgespec export "
+                          "--format onnx+xla`, or `python -m edgespec.export.xla CHECKPOINT MODEL_FOLDER --overwrite` "
+                          "with the checkpoint the ONNX graphs came from)")
 
 
 def _check_same_tokenizer(root: Path, manifest: BundleManifest) -> None:

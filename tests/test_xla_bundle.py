@@ -180,6 +180,22 @@ def test_xla_logits_must_match_the_manifest_vocab(xla_bundle, tmp_path):
         load(b, runtime="xla")
 
 
+def test_xla_artifacts_of_another_model_are_refused(xla_bundle, tmp_path):
+    """The draft's xla/ copied over the target's: each folder's checksums hold, yet the XLA path
+    would decode with another model than the ONNX one beside it (it did, exit 0)."""
+    import shutil
+
+    from edgespec.errors import BundleError
+
+    b = tmp_path / "b"
+    shutil.copytree(xla_bundle("llama"), b)
+    shutil.rmtree(b / "target" / "xla")
+    shutil.copytree(b / "draft" / "xla", b / "target" / "xla")
+    with pytest.raises(BundleError, match=r"target: the XLA artifacts in xla/ are another model .*re-export both"):
+        load(b, runtime="xla")
+    load(b)   # the ONNX path does not read xla/
+
+
 def test_standalone_reexport_updates_the_bundle_summary(xla_bundle, tiny_checkpoints, tmp_path, capsys):
     """Re-exporting one model of a bundle with the standalone tool keeps edgespec.json's formats.xla true."""
     import shutil
