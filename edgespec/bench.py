@@ -111,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=at_least(1), default=DEFAULT_MAX_NEW_TOKENS)
     p.add_argument("--repeats", type=at_least(1), default=5, help="measured repeats after one warm-up (default 5)")
     p.add_argument("--seed", type=at_least(0), default=0)
-    p.add_argument("--provider", default="cpu", help="execution providers, comma list in priority order")
+    p.add_argument("--provider", default=None, help="execution providers, comma list in priority order (default cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="target intra-op threads (0 = ORT default; default 0, or with the lookahead drafter in "
                         "--draft all cores but one, for every setting alike)")
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(f"--draft takes {', '.join(DRAFTERS)} (a comma list); got {s.draft!r}")
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
-    refuse_ort_flags(args.runtime, {"--provider": args.provider != "cpu", "--threads": args.threads is not None,
+    refuse_ort_flags(args.runtime, {"--provider": args.provider is not None, "--threads": args.threads is not None,
                                     "--draft-threads": args.draft_threads is not None, "--spin": args.spin != "default",
                                     "--no-huge-pages": args.no_huge_pages})
     draft_threads = 1 if args.draft_threads is None else args.draft_threads
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     threads = default_target_threads(lookahead) if args.threads is None else args.threads
     threads = 0 if args.runtime == "xla" else threads  # ONNX Runtime's setting (--threads is refused with xla)
     spin = {"on": True, "off": False, "default": None}[args.spin]
-    ob = open_bundle(args.bundle, args.runtime, tuple(args.provider.split(",")), threads, draft_threads, spin,
+    ob = open_bundle(args.bundle, args.runtime, tuple((args.provider or "cpu").split(",")), threads, draft_threads, spin,
                      platform=args.platform, huge_pages=not args.no_huge_pages)
     if lookahead and args.runtime == "onnx":  # XLA has no thread setting to change
         warn_if_no_spare_core(threads)
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     print(note)
     warn_if_busy(others)  # after the table
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
-               "providers": args.provider, "threads": threads, "draft_threads": draft_threads,
+               "providers": args.provider or "cpu", "threads": threads, "draft_threads": draft_threads,
                "platform": args.platform, "verify_width": ob.verify_width,
                "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
                "spin": args.spin, "huge_pages": not args.no_huge_pages, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on a second thread while the target verifies (for a target on fewer threads than "
                              "cores); ngram: prompt lookup, no second model; hybrid: the draft model, with a "
                              "prompt-lookup token wherever the run so far says it is kept more often")
-    parser.add_argument("--provider", default="cpu", help="comma-separated execution providers for the target, in order (default cpu)")
+    parser.add_argument("--provider", default=None, help="comma-separated execution providers for the target, in order (default cpu)")
     parser.add_argument("--draft-provider", default=None, help="providers for the draft (default: --provider)")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads for the target (0 = ORT default: one per physical core; default 0, or "
@@ -114,7 +114,7 @@ def _check_flags(args: argparse.Namespace, gamma: int | None) -> None:
                                    f"effect; drop {'it' if len(draft_flags) == 1 else 'them'}")
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
-    refuse_ort_flags(args.runtime, {"--provider": args.provider != "cpu", "--draft-provider": args.draft_provider,
+    refuse_ort_flags(args.runtime, {"--provider": args.provider is not None, "--draft-provider": args.draft_provider,
                                     "--threads": args.threads is not None,
                                     "--draft-threads": args.draft_threads is not None, "--no-spin": args.no_spin,
                                     "--no-huge-pages": args.no_huge_pages})
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     spin = False if args.no_spin else None
     threads = default_target_threads(args.draft == "lookahead") if args.threads is None else args.threads
     threads = 0 if args.runtime == "xla" else threads  # ONNX Runtime's setting (--threads is refused with xla)
-    engine = load(args.bundle, providers=args.provider, draft_providers=args.draft_provider, threads=threads,
+    engine = load(args.bundle, providers=args.provider or "cpu", draft_providers=args.draft_provider, threads=threads,
                   draft_threads=1 if args.draft_threads is None else args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",
                   runtime=args.runtime, platform=args.platform, huge_pages=not args.no_huge_pages)
@@ -179,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
                                    "none; use --draft ngram (prompt lookup, no model) or --no-draft, or export the "
                                    "bundle with --draft")
     if not engine.has_draft and args.draft != "ngram" and not args.no_draft:
-        idle = [f for f, on in (("--gamma", gamma is not None), ("--show-drafts", args.show_drafts)) if on]
+        idle = [f for f, on in (("--gamma", gamma is not None), ("--show-drafts", args.show_drafts),
+                                ("--lenience", args.lenience != 1.0), ("--draft-threads", args.draft_threads is not None),
+                                ("--draft-provider", args.draft_provider is not None)) if on]
         if idle:
             raise InvalidArgumentError(f"{args.bundle} has no draft model, so {' and '.join(idle)} "
                                        f"{'has' if len(idle) == 1 else 'have'} no effect (plain decoding); export it "

@@ -72,7 +72,7 @@ def test_generate_cli_xla_and_missing_artifacts(xla_bundle, tiny_bundle, capsys)
     assert main(["generate", str(xla_bundle("gpt2")), "--prompt", "the cat", "--runtime", "xla", "--platform", "foo"]) == 2
     err = capsys.readouterr().err
     assert "unknown XLA platform 'foo': use one of cpu, cuda, rocm, tpu" in err and "re-export" not in err
-    for flags in (["--provider", "cuda"], ["--threads", "1"], ["--draft-threads", "2"], ["--no-spin"], ["--no-huge-pages"]):
+    for flags in (["--provider", "cuda"], ["--provider", "cpu"], ["--threads", "1"], ["--draft-threads", "2"], ["--no-spin"], ["--no-huge-pages"]):
         assert main(["generate", str(xla_bundle("gpt2")), "--prompt", "the cat", "--runtime", "xla", *flags]) == 2
         err = capsys.readouterr().err
         assert f"{flags[0]} configures ONNX Runtime and does nothing with --runtime xla; drop it" in err, err
