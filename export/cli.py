@@ -101,8 +101,13 @@ def run(args: argparse.Namespace) -> int:
                    verify_width=vw, prefill_buckets=args.prefill_buckets, max_source_length=args.max_source_length)
     manifest = export_bundle(target, args.out, draft=args.draft, options=options,
                              progress=None if args.quiet else _stderr_progress, xla=xla)
-    roles = ", ".join(f"{r}={m.architecture} ({m.dtype if m.quantization == 'none' else m.quantization})"
+    # the XLA artifacts are fp32 whatever the ONNX graphs' precision
+    roles = ", ".join(f"{r}={m.architecture} ({m.dtype if m.quantization == 'none' else m.quantization}"
+                      f"{'; XLA fp32' if xla is not None and (m.quantization != 'none' or m.dtype != 'fp32') else ''})"
                       for r, m in manifest.models.items())
-    vocab = f"; shared vocab {manifest.shared_vocab_size}" if manifest.draft is not None else ""
+    # generation samples from the tokenizer's ids; embedding rows beyond them are padding
+    vocab = f"; {manifest.sample_vocab_size} token ids"
+    if manifest.draft is not None and manifest.shared_vocab_size != manifest.sample_vocab_size:
+        vocab += f" ({manifest.shared_vocab_size} embedding rows)"
     print(f"wrote bundle {args.out}: {roles}{vocab}")
     return 0
