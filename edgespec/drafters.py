@@ -220,19 +220,22 @@ class LookaheadDrafter(ModelDrafter):
         try:
             self._join()
         finally:
-            if self._thread is not None:
+            if self._thread is not None and self._thread.is_alive():
                 self._jobs.put(None)
                 self._thread.join()
-                self._thread = None
+            self._thread = None
             self._ahead = None
 
     # ---------------------------------------------------------------- the worker
     def _launch(self, job: tuple, at: int) -> None:
-        if self._thread is None:
-            # The thread holds only a weak reference, and stops once the drafter is collected.
-            self._thread = threading.Thread(target=_lookahead_worker, name="edgespec-lookahead", daemon=True,
-                                            args=(self._jobs, self._done, weakref.ref(self)))
-            self._thread.start()
+        if self._thread is None or not self._thread.is_alive():
+            # (not alive: a start that failed or was interrupted, or a close() cut short: a job queued
+            # with no worker to take it would hang the next wait.) The thread holds only a weak
+            # reference, and stops once the drafter is collected.
+            worker = threading.Thread(target=_lookahead_worker, name="edgespec-lookahead", daemon=True,
+                                      args=(self._jobs, self._done, weakref.ref(self)))
+            worker.start()
+            self._thread = worker
             weakref.finalize(self, self._jobs.put, None)
         self._at, self._cancel, self._busy = at, False, True
         self._done.clear()

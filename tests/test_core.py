@@ -440,11 +440,12 @@ def test_a_failed_round_stops_the_lookahead_worker():
     look.close()
 
 
-@pytest.mark.parametrize("where", ["before the put", "after the put"])
-def test_an_interrupt_inside_the_lookahead_launch_neither_hangs_nor_overlaps(where):
-    """Ctrl-C can land between marking the worker busy and queueing its job, or just after the job
-    is queued: the loop's cleanup must neither wait for a job that was never queued (a hang) nor
-    leave a queued job running beside the next call's drafting (the draft's cache corrupted)."""
+@pytest.mark.parametrize("where", ["before the put", "after the put", "at the thread's start"])
+def test_an_interrupt_inside_the_lookahead_launch_neither_hangs_nor_overlaps(where, monkeypatch):
+    """Ctrl-C can land between marking the worker busy and queueing its job (the cleanup waited for
+    a job that was never queued: a hang), just after the job is queued (the cleanup must wait for
+    it, not let it run beside the next call's drafting), or as the worker thread starts (a thread
+    that never ran was kept, and the next call's job waited for it forever)."""
     import queue
     import threading
 
@@ -470,21 +471,34 @@ def test_an_interrupt_inside_the_lookahead_launch_neither_hangs_nor_overlaps(whe
     ref.close()
     look = LookaheadDrafter(draft)
     look._jobs = Interrupting()
-    seen: list = []
+    if where == "at the thread's start":
+        start = threading.Thread.start
 
-    def run():
-        try:
-            generate(ToyBackend(t.model, 256), [1, 2, 3], c, np.random.default_rng(0), draft=look)
-        except KeyboardInterrupt:
-            seen.append("interrupted")
+        def interrupted(self):
+            if self.name != "edgespec-lookahead":
+                return start(self)
+            monkeypatch.setattr(threading.Thread, "start", start)   # once
+            raise KeyboardInterrupt
 
-    worker = threading.Thread(target=run, daemon=True)
-    worker.start()
-    worker.join(20)
-    assert not worker.is_alive(), "the interrupted call hangs in its cleanup"
-    assert seen == ["interrupted"] and not look._busy
-    again = generate(ToyBackend(t.model, 256), [1, 2, 3], c, np.random.default_rng(0), draft=look)
-    assert draft.overlaps == 0 and again.tokens == fresh
+        monkeypatch.setattr(threading.Thread, "start", interrupted)
+
+    def call():  # in a thread, so that a hang fails the test instead of stalling it
+        out: list = []
+
+        def run():
+            try:
+                out.append(generate(ToyBackend(t.model, 256), [1, 2, 3], c, np.random.default_rng(0), draft=look).tokens)
+            except KeyboardInterrupt:
+                out.append("interrupted")
+
+        caller = threading.Thread(target=run, daemon=True)
+        caller.start()
+        caller.join(20)
+        assert not caller.is_alive(), "the call hangs"
+        return out[0]
+
+    assert call() == "interrupted" and not look._busy
+    assert call() == fresh and draft.overlaps == 0
     look.close()
 
 
