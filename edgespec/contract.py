@@ -26,9 +26,16 @@ BUNDLE_FORMAT = "edgespec-bundle"  # the manifest's "format"
 
 KIND_DECODER = "decoder"  # decoder-only causal LM: one graph, past may be empty
 KIND_SEQ2SEQ = "seq2seq"  # encoder-decoder (T5): encoder, first decoder step, decoder with past
-# A T5 bundle's decoder positions (relative attention has no hard limit; T5 was trained on 512
-# tokens): the ONNX manifest's max_positions, and the most an XLA export's --max-length may be.
+# A T5 bundle's decoder positions where its config names none (relative attention has no hard
+# limit; T5 was trained on 512 tokens).
 T5_MAX_POSITIONS = 512
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")  # config.json's position count, by family
+
+
+def seq2seq_positions(config: dict) -> int:
+    """An encoder-decoder's decoder positions in its bundle (the ONNX manifest's max_positions, the
+    most an XLA export may take): the config's count, else T5_MAX_POSITIONS."""
+    return next((int(config[k]) for k in POSITION_KEYS if isinstance(config.get(k), int)), T5_MAX_POSITIONS)
 
 # ---- files inside a model folder (bundle/target, bundle/draft) --------------------------------
 DECODER_FILE = "model.onnx"

@@ -429,7 +429,13 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
         """A complete pair of this recipe is at dest (reuse it); one of another recipe is an error."""
         if not is_complete(dest):
             return False
-        if json.loads((dest / "pair.json").read_text()).get("identity") != ident:
+        try:
+            meta = json.loads((dest / "pair.json").read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            meta = exc
+        if not isinstance(meta, dict):
+            raise OutputExistsError(f"{dest / 'pair.json'} is not a pair's manifest ({str(meta)[:80]}); {fix}")
+        if meta.get("identity") != ident:
             raise OutputExistsError(f"{dest} holds a pair trained with a different recipe (preset, corpus or seed); {fix}")
         if progress:
             print(f"edgespec: reusing the trained pair in {dest}", file=sys.stderr)

@@ -151,12 +151,12 @@ def _rope_switch(config: dict) -> int | None:
 
 
 def _max_positions(ckpt: Checkpoint) -> int:
-    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+    if ckpt.kind == contract.KIND_SEQ2SEQ:
+        return contract.seq2seq_positions(ckpt.config)
+    for key in contract.POSITION_KEYS:
         if isinstance(ckpt.config.get(key), int):
             n = int(ckpt.config[key])
             return min(n, _rope_switch(ckpt.config) or n)
-    if ckpt.kind == contract.KIND_SEQ2SEQ:
-        return contract.T5_MAX_POSITIONS
     raise UnsupportedArchitectureError(f"{ckpt.path}/config.json has no max_position_embeddings / n_positions; add it and export again")
 
 

@@ -72,14 +72,18 @@ def check_xla_options(checkpoint_dir: str | Path, platforms: Sequence[str] = ("c
         raise InvalidArgumentError(f"unknown XLA platform(s) {bad or platforms}; choose from {', '.join(PLATFORMS)}")
     platforms = list(dict.fromkeys(platforms))
     verify_width = _check_int("verify_width", verify_width, 1)
-    spec = xm.spec_from_config(xm.read_config(Path(checkpoint_dir)))
+    config = xm.read_config(Path(checkpoint_dir))
+    spec = xm.spec_from_config(config)
+    # T5 has no position table; its bundle's ONNX graphs take the config's n_positions (512 without
+    # one, export.pipeline._max_positions): the XLA artifacts may not take more
+    t5_limit = contract.seq2seq_positions(config) if spec.encoder_decoder else None
     if max_length is None:
-        max_length = min(spec.max_positions, 2048) if spec.max_positions else 512
+        max_length = min(spec.max_positions, 2048) if spec.max_positions else min(t5_limit or 512, 512)
     max_length = _check_int("max_length", max_length, 2)
     xm.check_max_length(spec, max_length)
-    if spec.encoder_decoder and max_length > contract.T5_MAX_POSITIONS:  # the ONNX runtime's limit for the same bundle
-        raise InvalidArgumentError(f"max_length={max_length} exceeds the {contract.T5_MAX_POSITIONS} decoder positions of "
-                                   f"a T5 bundle; pass --max-length {contract.T5_MAX_POSITIONS} or less")
+    if t5_limit is not None and max_length > t5_limit:
+        raise InvalidArgumentError(f"max_length={max_length} exceeds the {t5_limit} decoder positions of this T5 model's "
+                                   f"bundle (its config's n_positions); pass --max-length {t5_limit} or less")
     if verify_width > max_length:
         raise InvalidArgumentError(f"verify_width={verify_width} (--verify-width, default 9) exceeds max_length="
                                    f"{max_length} (--max-length); lower --verify-width or raise --max-length")

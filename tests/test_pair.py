@@ -155,6 +155,12 @@ def test_output_exists_and_overwrite(pair, corpus, tmp_path):
     assert (out / "pair.json").stat().st_mtime_ns == stamp
     with pytest.raises(OutputExistsError, match="different recipe .*pass --overwrite to retrain"):
         train_pair("tiny", corpus, out, seed=1, progress=False)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for text in ("not json", "[1, 2]"):   # a clean refusal, not a traceback
+        (broken / "pair.json").write_text(text)
+        with pytest.raises(OutputExistsError, match="is not a pair's manifest .*pass --overwrite"):
+            train_pair("tiny", corpus, broken, progress=False)
     # a pair folder that also holds drafts distilled or bundles exported into it (benchmarks/run_all.sh
     # keeps hours of work there): --overwrite refuses, before any training, and deletes nothing
     (out / "distilled").mkdir()

@@ -562,8 +562,8 @@ def test_export_bad_inputs(root, checkpoints, exported):
         export_xla(checkpoints["gpt2"], root / "x1", platforms=("metal",))
     with pytest.raises(InvalidArgumentError, match="positions"):
         export_xla(checkpoints["gpt2"], root / "x2", max_length=4096)
-    # T5 has no position table, but its bundle's ONNX decoder takes 512: the XLA path may not take more
-    with pytest.raises(InvalidArgumentError, match="512 decoder positions of a T5 bundle"):
+    # T5 has no position table, but its bundle's ONNX decoder takes n_positions (512): the XLA path may not take more
+    with pytest.raises(InvalidArgumentError, match="512 decoder positions of this T5 model.s bundle"):
         export_xla(checkpoints["t5"], root / "x2", max_length=100_000)
     with pytest.raises(InvalidArgumentError, match="lower --verify-width or raise --max-length"):
         export_xla(checkpoints["gpt2"], root / "x2", max_length=4, verify_width=9)
