@@ -191,10 +191,14 @@ def main() -> int:
         return _hf_serve(args)
     import edgespec
 
-    # the PyTorch peers load these: checked before any measurement (a missing one used to surface
-    # as a child process that "did not start", after the other systems had run)
-    for what, folder in (("--pair's target", args.pair / "target"),
-                         ("--draft-dir" if args.draft_dir else "--pair's draft", args.draft_dir or args.pair / "draft")):
+    # the PyTorch peers load these (when transformers is installed; else they are skipped): checked
+    # before any measurement (a missing one used to surface as a child process that "did not start",
+    # after the other systems had run)
+    import importlib.util
+
+    checked = (("--pair's target", args.pair / "target"),
+               ("--draft-dir" if args.draft_dir else "--pair's draft", args.draft_dir or args.pair / "draft"))
+    for what, folder in checked if importlib.util.find_spec("transformers") else ():
         if not (folder / "config.json").is_file():
             raise InvalidArgumentError(f"{what} {str(folder)!r} is not a model folder (no config.json); --pair takes the "
                                        "folder `edgespec train-pair --print-path` prints, --draft-dir the Hugging Face "

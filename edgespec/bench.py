@@ -116,7 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target intra-op threads (0 = ORT default; default 0, or with the lookahead drafter in "
                         "--draft all cores but one, for every setting alike)")
     p.add_argument("--draft-threads", type=int, default=None, help="draft intra-op threads (default 1)")
-    p.add_argument("--spin", choices=("on", "off", "default"), default="default",
+    p.add_argument("--spin", choices=("on", "off"), default=None,
                    help="ORT thread spin-waiting (default: ORT's, on; it only matters with more than one thread)")
     p.add_argument("--no-huge-pages", action="store_true",
                    help="leave ONNX Runtime's weights on the pages it allocated (default: moved onto transparent "
@@ -162,8 +162,10 @@ def run(args: argparse.Namespace) -> int:
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
     refuse_ort_flags(args.runtime, {"--provider": args.provider is not None, "--threads": args.threads is not None,
-                                    "--draft-threads": args.draft_threads is not None, "--spin": args.spin != "default",
+                                    "--draft-threads": args.draft_threads is not None, "--spin": args.spin is not None,
                                     "--no-huge-pages": args.no_huge_pages})
+    if args.draft_threads is not None and all(s.draft == "ngram" for s in grid):
+        raise InvalidArgumentError("--draft ngram uses no draft model: --draft-threads has no effect; drop it")
     draft_threads = 1 if args.draft_threads is None else args.draft_threads
     if args.out is not None:   # before the measurement, not after it
         if args.out.exists() and not args.out.is_dir():
@@ -172,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     lookahead = any(s.draft == "lookahead" for s in grid)
     threads = default_target_threads(lookahead) if args.threads is None else args.threads
     threads = 0 if args.runtime == "xla" else threads  # ONNX Runtime's setting (--threads is refused with xla)
-    spin = {"on": True, "off": False, "default": None}[args.spin]
+    spin = {"on": True, "off": False, None: None}[args.spin]
     ob = open_bundle(args.bundle, args.runtime, tuple((args.provider or "cpu").split(",")), threads, draft_threads, spin,
                      platform=args.platform, huge_pages=not args.no_huge_pages)
     if lookahead and args.runtime == "onnx":  # XLA has no thread setting to change
@@ -183,6 +185,14 @@ def run(args: argparse.Namespace) -> int:
     if ob.draft is None and any(s.draft != "ngram" for s in grid):
         raise InvalidArgumentError(f"{args.bundle} has no draft model; export one with --draft, or use --draft ngram")
     prompts = [ob.tokenizer.encode(p).ids for p in read_prompts(args.prompts)]
+    longest = max(len(p) for p in prompts)
+    # (a prompt too long for the target too is reported by the run, as the target's)
+    if ob.draft is not None and any(s.draft != "ngram" for s in grid) and \
+            ob.draft.backend.max_length < longest <= ob.target.backend.max_length:
+        which = "the built-in prompts" if args.prompts is None else f"--prompts {args.prompts}"
+        raise PromptTooLongError(f"a prompt has {longest} tokens but the draft model has only {ob.draft.backend.max_length} "
+                                 f"positions ({which}): pass --prompts FILE with shorter prompts, or measure the "
+                                 "prompt-lookup drafter alone (--draft ngram)", "prompt")
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
     for name, backend in (("target", ob.target.backend), ("draft", ob.draft.backend if ob.draft else None)):
         if hasattr(backend, "warmup"):  # XLA: each artifact compiles on first use, which must not land in a timed call
@@ -223,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
                "providers": args.provider or "cpu", "threads": threads, "draft_threads": draft_threads,
                "platform": args.platform, "verify_width": ob.verify_width,
                "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
-               "spin": args.spin, "huge_pages": not args.no_huge_pages, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "spin": args.spin or "default", "huge_pages": not args.no_huge_pages, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
                "other_cpu_load_cores": others,
                "hardware_counters": note, "results": rows, "adaptive_vs_static": versus,

@@ -183,9 +183,11 @@ def run(args: argparse.Namespace) -> int:
                                 ("--lenience", args.lenience != 1.0), ("--draft-threads", args.draft_threads is not None),
                                 ("--draft-provider", args.draft_provider is not None)) if on]
         if idle:
+            # prompt lookup takes --gamma, --show-drafts and --lenience, not the draft model's flags
+            ngram = "" if {"--draft-threads", "--draft-provider"} & set(idle) else ", draft by prompt lookup with --draft ngram"
             raise InvalidArgumentError(f"{args.bundle} has no draft model, so {' and '.join(idle)} "
                                        f"{'has' if len(idle) == 1 else 'have'} no effect (plain decoding); export it "
-                                       f"with --draft, draft by prompt lookup with --draft ngram, or drop {' and '.join(idle)}")
+                                       f"with --draft{ngram}, or drop {' and '.join(idle)}")
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   gamma=gamma, lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft,
                   drafter=args.draft)

@@ -360,7 +360,7 @@ def add_xla_arguments(parser: argparse.ArgumentParser, title: str = "XLA export 
         if flag not in have:
             g.add_argument(flag, **kw)
 
-    add("--platforms", default="cpu",
+    add("--platforms", default=None,
         help="comma-separated XLA platforms to lower for: cpu, cuda, rocm, tpu (default: cpu)")
     add("--max-length", type=int, default=None,
         help="static KV buffer length in tokens (prompt + generated); default min(model positions, 2048), T5: 512")

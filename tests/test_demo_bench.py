@@ -217,6 +217,28 @@ def test_bench_bad_input(tiny_bundle, tmp_path, capsys):
         assert capsys.readouterr().err.strip().endswith(fix), extra
 
 
+def test_bench_refuses_flags_that_do_nothing_and_a_draft_too_short(tiny_bundle, tmp_path, capsys):
+    """As generate does: flags with no effect are refused, and a prompt longer than the draft
+    model's positions is named as such (it surfaced as the draft backend's error, whose fix,
+    fewer new tokens, could not help)."""
+    from edgespec.export.pipeline import export_bundle
+    from tiny_models import make_llama
+
+    base = ["--gammas", "2", "--temperatures", "0", "--repeats", "1", "--max-new-tokens", "4", "--quiet"]
+    for extra, needle in ((["--draft", "ngram", "--draft-threads", "2"], "--draft ngram uses no draft model: --draft-threads"),
+                          (["--runtime", "xla", "--spin", "on"], "--spin configures ONNX Runtime")):
+        assert main(["bench", str(tiny_bundle("llama")), *base, *extra]) == 2, extra
+        assert needle in capsys.readouterr().err, extra
+    t = make_llama(tmp_path / "t", seed=1, max_positions=128)
+    d = make_llama(tmp_path / "d", seed=2, layers=1, vocab_size=80, max_positions=16)
+    export_bundle(t, tmp_path / "b", draft=d, progress=None)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat sat on the mat and the dog sat on the log " * 2)
+    assert main(["bench", str(tmp_path / "b"), "--prompts", str(prompts), *base]) == 2
+    assert "but the draft model has only 16 positions" in capsys.readouterr().err
+    assert main(["bench", str(tmp_path / "b"), "--prompts", str(prompts), *base, "--draft", "ngram"]) == 0
+
+
 def test_bench_prompt_file_separators(tmp_path):
     from edgespec.bench import read_prompts
 

@@ -273,6 +273,8 @@ def test_unwritable_output_and_xla_flags(tiny_checkpoints, tmp_path, monkeypatch
     target, _ = tiny_checkpoints("gpt2")
     _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o"), "--max-length", "64"], capsys,
                "--max-length only applies to XLA artifacts; add --format onnx+xla or drop it")
+    _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o"), "--platforms", "cpu"], capsys,
+               "--platforms only applies to XLA artifacts")   # its default value too, given explicitly
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(tmp_path) else real_access(p, mode))
     _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o" / "b")], capsys, "is not a writable folder")
