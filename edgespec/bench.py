@@ -175,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     threads = default_target_threads(lookahead) if args.threads is None else args.threads
     threads = 0 if args.runtime == "xla" else threads  # ONNX Runtime's setting (--threads is refused with xla)
     spin = {"on": True, "off": False, None: None}[args.spin]
-    ob = open_bundle(args.bundle, args.runtime, tuple((args.provider or "cpu").split(",")), threads, draft_threads, spin,
+    providers = tuple(("cpu" if args.provider is None else args.provider).split(","))
+    ob = open_bundle(args.bundle, args.runtime, providers, threads, draft_threads, spin,
                      platform=args.platform, huge_pages=not args.no_huge_pages)
     if lookahead and args.runtime == "onnx":  # XLA has no thread setting to change
         warn_if_no_spare_core(threads)

@@ -29,7 +29,7 @@ from . import contract
 from .corpus import bar_options
 from .errors import CheckpointError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError, TrainingError
 from .cli import at_least
-from .outputs import DRAFT_FILES, check_replaceable, check_writable, swap_into_place, usual_permissions
+from .outputs import DRAFT_FILES, check_output_folder, check_writable, swap_into_place, usual_permissions
 
 MODES = ("mix", "kl", "tv")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -399,9 +399,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
         raise InvalidArgumentError(f"lr (CLI --lr) must be a finite positive number; got {lr!r}")
     if isinstance(generated, bool) or not isinstance(generated, (int, float)) or not 0 <= generated <= 1:
         raise InvalidArgumentError(f"generated (CLI --generated) must be a fraction in [0, 1]; got {generated!r}")
-    if out_dir.exists() and not overwrite:
-        raise OutputExistsError(f"output folder {out_dir} exists; choose another --out or pass --overwrite")
-    check_replaceable(out_dir, "distill.json", "a distilled draft", owned=DRAFT_FILES)
+    check_output_folder(out_dir, overwrite, "distill.json", "a distilled draft", owned=DRAFT_FILES)
     check_writable(out_dir)
     try:
         if out_dir.resolve().is_relative_to(target_dir.resolve()):

@@ -77,7 +77,12 @@ def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> st
     for i, src in enumerate(sources):
         # the token's text is what it adds to the decoded prefix
         text = engine.decode(ids[: i + 1])
+        if text.endswith("\ufffd") and i + 1 < len(sources):
+            continue  # a character whose bytes go on in the next token: shown (and marked) with that one
         piece, prev = text[len(prev):], text
+        # control characters (other than line breaks and tabs) shown escaped, not sent to the terminal
+        piece = "".join(ch.encode("unicode_escape").decode("ascii") if ch not in "\n\t" and not ch.isprintable()
+                        and not ch.isspace() else ch for ch in piece)
         if src in _ANSI and piece:
             lead = piece[: len(piece) - len(piece.lstrip())]
             body = piece[len(lead):]
@@ -170,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
     spin = False if args.no_spin else None
     threads = default_target_threads(args.draft == "lookahead") if args.threads is None else args.threads
     threads = 0 if args.runtime == "xla" else threads  # ONNX Runtime's setting (--threads is refused with xla)
-    engine = load(args.bundle, providers=args.provider or "cpu", draft_providers=args.draft_provider, threads=threads,
+    providers = "cpu" if args.provider is None else args.provider   # (--provider "" is refused by load, not cpu)
+    engine = load(args.bundle, providers=providers, draft_providers=args.draft_provider, threads=threads,
                   draft_threads=1 if args.draft_threads is None else args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",
                   runtime=args.runtime, platform=args.platform, huge_pages=not args.no_huge_pages)

@@ -74,6 +74,19 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
             f"would delete it with the old {what}: move it out of the folder, or choose another {flag}")
 
 
+def check_output_folder(dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out",
+                        owned: OwnedNames | None = None) -> None:
+    """May a command write ``dest``? A new or empty folder, yes; an earlier output of the same
+    command that holds nothing else, with ``overwrite`` (:func:`check_replaceable`). Without it the
+    message says whether --overwrite would help (it used to suggest it for folders it then refused)."""
+    if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
+        return
+    check_replaceable(dest, marker, what, flag, owned)
+    if not overwrite:
+        raise OutputExistsError(f"{flag} {str(dest)!r} holds {what} already; choose another {flag}, or pass --overwrite "
+                                "to replace it")
+
+
 def check_swap(dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out",
                owned: OwnedNames | None = None) -> None:
     """Would :func:`swap_into_place` refuse ``dest`` now? (A command that must tidy its work

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, bar_options, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
 from .cli import at_least
-from .outputs import PAIR_FILES, check_replaceable, check_swap, check_writable, swap_into_place, usual_permissions
+from .outputs import PAIR_FILES, check_output_folder, check_swap, check_writable, swap_into_place, usual_permissions
 
 FORMAT_VERSION = 1
 
@@ -455,9 +455,7 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
         # the same command run again reuses its pair, as the cache does (scripts rerun it with --print-path)
         if not overwrite and dest.is_dir() and reused(dest, "choose another --out, or pass --overwrite to retrain it"):
             return dest.absolute()
-        if dest.exists() and not overwrite:
-            raise OutputExistsError(f"output folder {dest} exists; choose another --out or pass --overwrite")
-        check_replaceable(dest, "pair.json", "a trained pair", owned=PAIR_FILES)
+        check_output_folder(dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)
     if out is not None:
         check_writable(dest)
     else:

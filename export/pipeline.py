@@ -28,7 +28,7 @@ from edgespec import contract
 from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
 from edgespec.errors import (CheckpointError, DiskFullError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError,
                              UnsupportedArchitectureError)
-from edgespec.outputs import (BUNDLE_FILES, check_replaceable, check_writable, foreign_names, swap_into_place,
+from edgespec.outputs import (BUNDLE_FILES, check_output_folder, check_writable, foreign_names, swap_into_place,
                               usual_permissions)
 
 from . import graph_info, static_kv, validate
@@ -110,10 +110,8 @@ def check_output(out: Path, inputs: list[Path], overwrite: bool) -> Path:
         if extra:
             raise OutputExistsError(f"output folder {str(out)!r} is an unfinished export that also holds what an export "
                                     f"does not write ({', '.join(extra[:5])}); move that out of it, or choose another path")
-    if dest.is_dir() and any(dest.iterdir()) and not _is_stale_partial(dest):
-        if not overwrite:
-            raise OutputExistsError(f"output folder {str(out)!r} exists and is not empty; choose another path or pass --overwrite")
-        check_replaceable(dest, contract.MANIFEST_NAME, "an edgespec bundle", owned=BUNDLE_FILES)
+    if not _is_stale_partial(dest):
+        check_output_folder(dest, overwrite, contract.MANIFEST_NAME, "an edgespec bundle", owned=BUNDLE_FILES)
     check_writable(dest)
     return dest
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from edgespec import contract
 from edgespec.errors import InvalidArgumentError, OutputExistsError
-from edgespec.outputs import OwnedNames, check_replaceable, check_writable, swap_into_place, usual_permissions
+from edgespec.outputs import OwnedNames, check_output_folder, check_writable, swap_into_place, usual_permissions
 
 FORMAT = "edgespec-xla"
 FORMAT_VERSION = 1
@@ -153,10 +153,7 @@ def export_xla(
     dest = out_dir / XLA_SUBDIR
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputExistsError(f"{out_dir} exists and is not a folder; choose another output folder")
-    if dest.exists() and any(dest.iterdir()):
-        if not overwrite:
-            raise OutputExistsError(f"{dest} exists; remove it or pass --overwrite (overwrite=True)")
-        check_replaceable(dest, MANIFEST, "XLA artifacts", flag="output", owned=XLA_FILES)
+    check_output_folder(dest, overwrite, MANIFEST, "XLA artifacts", flag="output", owned=XLA_FILES)
     check_writable(out_dir)
     t0 = time.perf_counter()
     spec, params = xm.load_model(checkpoint_dir)

@@ -199,6 +199,14 @@ def test_show_drafts_marks_whitespace_tokens_visibly():
     out = render_marked(Indent(), [1, 2, 3], ["target", "accepted", "target"], color=False)
     assert out == "a[\\n\\n    ]\n\n    b"   # both line breaks and the indent survive the marking
 
+    class Bytes:  # byte-level tokens: a character may span several
+        def decode(self, ids):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    word = list("a\u4e16b".encode()) + [0x19]   # a, the three bytes of a CJK character, b, a control character
+    out = render_marked(Bytes(), word, ["target", "accepted", "accepted", "accepted", "bonus", "target"], color=False)
+    assert out == "a[\u4e16]<b>\\x19"   # the character whole (it was a[\ufffd]), the control character escaped
+
 
 def test_gamma_on_a_single_model_bundle_is_an_error(bundle_copy, capsys):
     """Without a draft model, --gamma would silently mean plain decoding; --draft ngram uses it."""
