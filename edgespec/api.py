@@ -444,6 +444,18 @@ class Engine:
                 f"drafter={drafter!r} drafts with the bundle's draft model, and this engine has none ("
                 + ("a single-model bundle: export one with --draft" if self.manifest.draft is None else "loaded with load_draft=False")
                 + "); use drafter='ngram' (prompt lookup, no model; CLI --draft ngram) or use_draft=False (CLI --no-draft)")
+        # settings that would do nothing are refused, as the CLI refuses them
+        idle = [n for n, on in (("gamma", gamma is not None), ("lenience", lenience != 1)) if on]
+        has = "has" if len(idle) == 1 else "have"
+        if idle and not use_draft:
+            raise InvalidArgumentError(f"use_draft=False decodes with the target alone, so {' and '.join(idle)} {has} no "
+                                       f"effect; drop {' and '.join(idle)} or use_draft=False")
+        if idle and drafter == "model" and self.draft is None:
+            raise InvalidArgumentError(
+                "this engine has no draft model (" + ("a single-model bundle" if self.manifest.draft is None else
+                                                       "loaded with load_draft=False")
+                + f"), so {' and '.join(idle)} {has} no effect (plain decoding); draft by prompt lookup with "
+                f"drafter='ngram' (CLI --draft ngram), or drop {' and '.join(idle)}")
         ngram = bool(use_draft) and drafter == "ngram"
         use_draft = bool(use_draft) and self.draft is not None and not ngram  # the draft model takes part
         fixed = [gamma] if isinstance(gamma, int) and not isinstance(gamma, bool) else []

@@ -154,7 +154,7 @@ def test_ids_prompt_and_single_model_bundle(engines, tiny_bundle):
         no_draft.generate(PROMPT, max_new_tokens=4, drafter="lookahead")
 
 
-def test_bad_inputs(engines):
+def test_bad_inputs(engines, tiny_bundle):
     eng = engines("gpt2")
     with pytest.raises(InvalidArgumentError, match="empty"):
         eng.generate("")
@@ -183,6 +183,16 @@ def test_bad_inputs(engines):
                    {"use_draft": "no"}, {"stream": "yes"}, {"use_draft": False, "drafter": "ngram"}):
         with pytest.raises(InvalidArgumentError):
             eng.generate(PROMPT, **kwargs)
+    # settings that would do nothing are refused, as the CLI refuses them (they were ignored)
+    for kwargs, needle in (({"use_draft": False, "gamma": 3}, "use_draft=False decodes with the target alone, so gamma"),
+                           ({"use_draft": False, "lenience": 0.5}, "so lenience has no effect")):
+        with pytest.raises(InvalidArgumentError, match=needle):
+            eng.generate(PROMPT, **kwargs)
+    alone = load(tiny_bundle("llama"), load_draft=False)
+    with pytest.raises(InvalidArgumentError, match="no draft model .loaded with load_draft=False., so gamma"):
+        alone.generate(PROMPT, gamma=3)
+    assert alone.generate(PROMPT, max_new_tokens=4, temperature=0, gamma=3, drafter="ngram").ids == \
+        alone.generate(PROMPT, max_new_tokens=4, temperature=0).ids
     # None is Python's "none": no stop ids, as the default ()
     assert eng.generate(PROMPT, max_new_tokens=4, temperature=0, stop_token_ids=None).ids == \
         eng.generate(PROMPT, max_new_tokens=4, temperature=0).ids
