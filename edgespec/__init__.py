@@ -1,11 +1,12 @@
 """edgespec: exact speculative decoding (Leviathan, Kalman, Matias, ICML 2023) for ONNX Runtime
 and XLA. This module only re-exports the public API."""
 from .adaptive import AdaptiveGamma
-from .api import load
+from .api import Engine, GenerationOutput, StreamChunk, TextStream, load
 from .backend import Backend
 from .config import GenerationConfig, SamplingConfig
 from .drafters import ModelDrafter, NgramDrafter
-from .errors import EdgeSpecError, EdgeSpecWarning, EngineBusyError
+from .errors import (BundleError, EdgeSpecError, EdgeSpecWarning, EngineBusyError, InvalidArgumentError, ProviderError,
+                     PromptTooLongError)
 from .loop import GenerationResult, GenerationStats, generate, iter_generate, speculative_step
 from .rejection import speculative_sample
 from . import theory
@@ -14,7 +15,8 @@ __version__ = "0.1.0"
 
 
 __all__ = [
-    "AdaptiveGamma", "Backend", "EdgeSpecError", "EdgeSpecWarning", "EngineBusyError", "GenerationConfig", "GenerationResult",
-    "GenerationStats", "ModelDrafter", "NgramDrafter", "SamplingConfig", "generate",
-    "iter_generate", "load", "speculative_sample", "speculative_step", "theory",
+    "AdaptiveGamma", "Backend", "BundleError", "EdgeSpecError", "EdgeSpecWarning", "Engine", "EngineBusyError",
+    "GenerationConfig", "GenerationOutput", "GenerationResult", "GenerationStats", "InvalidArgumentError",
+    "ModelDrafter", "NgramDrafter", "PromptTooLongError", "ProviderError", "SamplingConfig", "StreamChunk",
+    "TextStream", "generate", "iter_generate", "load", "speculative_sample", "speculative_step", "theory",
 ]

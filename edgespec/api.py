@@ -363,9 +363,14 @@ class Engine:
                 arr = np.asarray(prompt)
             except Exception as exc:
                 raise InvalidArgumentError(f"prompt must be a string or a sequence of token ids; got {type(prompt).__name__}") from exc
-            if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-                raise InvalidArgumentError("prompt ids must be a non-empty 1-D sequence of integers")
-            ids = [int(i) for i in arr]
+            # (numpy makes [True, 2] an int array and [2**70] an object one: bools are refused, huge
+            # ints reach the range check below)
+            bools = isinstance(prompt, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in prompt)
+            ints = np.issubdtype(arr.dtype, np.integer) or (arr.dtype == object and arr.ndim == 1 and
+                                                            all(isinstance(i, int) for i in arr.tolist()))
+            if arr.ndim != 1 or arr.size == 0 or bools or not ints:
+                raise InvalidArgumentError("prompt ids must be a non-empty 1-D sequence of integers (not bools)")
+            ids = [int(i) for i in arr.tolist()]
         limit = self.target.vocab_size
         if use_draft:
             limit = min(limit, self.draft.vocab_size)
@@ -379,14 +384,16 @@ class Engine:
         limit = self.target.max_length
         if seq2seq:  # the prompt goes to the encoder; the decoder's positions hold the start token + new tokens
             if n_prompt > limit:
-                raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most {limit}; shorten it")
+                raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most {limit}; shorten it",
+                                         "prompt")
             if max_new > limit:
                 raise PromptTooLongError(f"max_new_tokens ({max_new}) exceeds the decoder's {limit} positions (the prompt "
-                                         f"does not count: it goes to the encoder); lower max_new_tokens to at most {limit}")
+                                         f"does not count: it goes to the encoder); lower max_new_tokens to at most {limit}",
+                                         "max_new_tokens")
         elif n_prompt > limit:
             raise PromptTooLongError(
                 f"prompt has {n_prompt} tokens but the target has {limit} positions; shorten the prompt so that "
-                f"prompt tokens + max_new_tokens <= {limit + 1}")
+                f"prompt tokens + max_new_tokens <= {limit + 1}", "prompt")
         elif n_prompt + max_new - 1 > limit:
             raise PromptTooLongError(
                 f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the target's {limit} positions; "
@@ -395,7 +402,7 @@ class Engine:
         if use_draft and n_prompt > self.draft.max_length:
             raise PromptTooLongError(
                 f"prompt has {n_prompt} tokens but the draft model has only {self.draft.max_length} positions; "
-                "shorten the prompt or decode without the draft (use_draft=False; CLI: --no-draft)"
+                "shorten the prompt or decode without the draft (use_draft=False; CLI: --no-draft)", "prompt"
             )
 
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
@@ -573,10 +580,11 @@ def warn_if_no_spare_core(threads: int | None) -> None:
     cores = usable_cores()
     if threads == 0 or threads >= cores:
         warnings.warn(
-            f"drafter='lookahead' with the target on {'all' if threads == 0 else threads} of {cores} cores: the draft's "
-            f"thread competes with the target's (11% slower than drafter='model' on the 2-core benchmark machine); "
-            f"give the target fewer threads (threads={max(1, cores - 1)}, CLI --threads {max(1, cores - 1)}) or use "
-            "drafter='model'", EdgeSpecWarning, stacklevel=3)
+            f"the lookahead drafter (drafter='lookahead', CLI --draft lookahead) with the target on "
+            f"{'all' if threads == 0 else threads} of {cores} cores: the draft's thread competes with the target's (11% "
+            f"slower than the model drafter on the 2-core benchmark machine); give the target fewer threads "
+            f"(threads={max(1, cores - 1)}, CLI --threads {max(1, cores - 1)}) or use the model drafter (drafter='model', "
+            "CLI --draft model)", EdgeSpecWarning, stacklevel=3)
 
 
 def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,
@@ -651,6 +659,13 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
         spinning=spinning if draft_spinning is None else draft_spinning,
         huge_pages=huge_pages,
     )
+    cores = usable_cores()
+    for name, cfg in (("threads", target_cfg), ("draft_threads", draft_cfg if load_draft else None)):
+        n = cfg.intra_op_threads if cfg is not None and runtime == "onnx" else 0
+        if n > cores:  # (a trial: threads=500 on 2 cores loaded in 10 s and generated 20 tokens in 4.5 s, not 10 ms)
+            warnings.warn(f"{name}={n} (CLI --{name.replace('_', '-')}) on a machine where this process may use {cores} "
+                          f"cores: ONNX Runtime starts {n} threads that take turns on them, slower than {cores} threads; use "
+                          f"at most {cores} (0: ONNX Runtime's choice)", EdgeSpecWarning, stacklevel=2)
     tm = manifest.target
     tok_path = root / tm.path / contract.TOKENIZER_FILE
     try:

@@ -174,6 +174,10 @@ def test_bad_inputs(engines, tiny_bundle):
         eng.generate([])
     with pytest.raises(InvalidArgumentError, match=r"\[0, 80\)"):  # shared vocab with the draft
         eng.generate([4, 90])
+    with pytest.raises(InvalidArgumentError, match=r"\[0, 80\)"):  # beyond int64: the range, not "integers"
+        eng.generate([4, 2**70])
+    with pytest.raises(InvalidArgumentError, match="not bools"):      # numpy would make True a 1
+        eng.generate([True, 2])
     with pytest.raises(PromptTooLongError, match="128"):
         eng.generate([4] * 129, max_new_tokens=1)
     with pytest.raises(PromptTooLongError, match="at most 29"):
@@ -264,3 +268,29 @@ def test_adaptive_policy_persists_across_calls(tiny_bundle):
     assert len(eng._policies) == 2  # one for greedy, one for T=1
     eng.generate([5, 9, 13], max_new_tokens=20, temperature=1.0, gamma=None, seed=0)
     assert len(eng._policies) == 2  # a seeded sampled call uses a fresh policy of its own
+
+
+def test_public_names_and_thread_oversubscription(tiny_bundle):
+    """What an application handles is importable from edgespec itself, and more intra-op threads
+    than usable cores (a trial: 500 on 2 cores, 450x slower) is warned about."""
+    import os
+    import warnings
+
+    import edgespec
+
+    cores = len(os.sched_getaffinity(0))
+    with pytest.warns(edgespec.EdgeSpecWarning, match=f"threads={cores + 1} .CLI --threads. on a machine"):
+        eng = edgespec.load(tiny_bundle("llama"), threads=cores + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", edgespec.EdgeSpecWarning)
+        edgespec.load(tiny_bundle("llama"), threads=cores, draft_threads=1)
+    assert isinstance(eng, edgespec.Engine)
+    out = eng.generate(PROMPT, max_new_tokens=3, temperature=0)
+    assert isinstance(out, edgespec.GenerationOutput)
+    stream = eng.generate(PROMPT, max_new_tokens=3, temperature=0, stream=True)
+    assert isinstance(stream, edgespec.TextStream) and all(isinstance(c, edgespec.StreamChunk) for c in stream)
+    with pytest.raises(edgespec.PromptTooLongError) as err:
+        eng.generate([4] * 500, max_new_tokens=1)
+    assert err.value.knob == "prompt" and issubclass(edgespec.PromptTooLongError, edgespec.InvalidArgumentError)
+    for name in ("BundleError", "ProviderError", "InvalidArgumentError"):
+        assert issubclass(getattr(edgespec, name), edgespec.EdgeSpecError) and name in edgespec.__all__

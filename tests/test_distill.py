@@ -148,7 +148,7 @@ def _params(folder: Path) -> int:
 def test_distill_warns_of_a_draft_as_large_as_its_target(target, corpus, tmp_path):
     """`--size tiny` is larger than the tiny preset's target: a draft that costs nearly a target step
     gains nothing, so distill says so (it still trains what was asked for)."""
-    with pytest.warns(EdgeSpecWarning, match=r"of the target's .*choose a smaller --size"):
+    with pytest.warns(EdgeSpecWarning, match=r"of the target's .*make it smaller with --hidden"):
         distill(target, tmp_path / "d", size="tiny", corpus=corpus, steps=1, batch_size=2, eval_windows=1,
                 progress=False)
     assert (tmp_path / "d" / "distill.json").is_file()

@@ -96,7 +96,7 @@ def test_lookahead_warns_when_the_target_leaves_no_core(tiny_bundle, capsys):
     argv = ["generate", str(bundle), "--prompt", "the cat", "--draft", "lookahead", "--max-new-tokens", "4"]
     assert main(argv + ["--threads", "0"]) == 0
     err = capsys.readouterr().err
-    assert "edgespec generate: warning: drafter='lookahead'" in err and "Traceback" not in err
+    assert "edgespec generate: warning: the lookahead drafter" in err and "CLI --draft model" in err and "Traceback" not in err
     assert main(argv) == 0          # without --threads the CLI leaves a core for the drafting thread
     assert ("warning" in capsys.readouterr().err) == (cores == 1)
 
