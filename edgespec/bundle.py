@@ -340,10 +340,12 @@ def _fields(buf, start: int, end: int):
         raise _Truncated
 
 
-def _external_locations(buf, start: int, end: int, kind: str, out: list[str]) -> None:
+def _external_locations(buf, start: int, end: int, kind: str, out: list[tuple[str, str, str]]) -> None:
+    """Appends (location, offset, length) of every external-data tensor (the entries' strings)."""
     children = {"graph": _GRAPH_CHILDREN, "node": _NODE_CHILDREN, "attribute": _ATTR_CHILDREN,
                 "sparse": _SPARSE_CHILDREN, "function": _FUNCTION_CHILDREN}.get(kind)
     if kind == "tensor":
+        entries: dict[bytes, str] = {}
         for num, wt, a, b in _fields(buf, start, end):
             if num == 13 and wt == 2:  # StringStringEntryProto
                 key = value = b""
@@ -352,8 +354,9 @@ def _external_locations(buf, start: int, end: int, kind: str, out: list[str]) ->
                         key = bytes(buf[a2:b2])
                     elif w2 == 2 and n2 == 2:
                         value = bytes(buf[a2:b2])
-                if key == b"location":
-                    out.append(value.decode("utf-8", "replace"))
+                entries[key] = value.decode("utf-8", "replace")
+        if b"location" in entries:
+            out.append((entries[b"location"], entries.get(b"offset", "0"), entries.get(b"length", "")))
         return
     for num, wt, a, b in _fields(buf, start, end):
         child = children.get(num) if wt == 2 else None
@@ -363,9 +366,14 @@ def _external_locations(buf, start: int, end: int, kind: str, out: list[str]) ->
 
 def onnx_external_data_locations(path: Path) -> list[str]:
     """Locations of every external-data tensor in an ONNX file; BundleError if it is truncated/corrupt."""
+    return [loc for loc, _, _ in _external_data(path)]
+
+
+def _external_data(path: Path) -> list[tuple[str, str, str]]:
+    """(location, offset, length) of every external-data tensor, as written (strings)."""
     size = path.stat().st_size
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        locations: list[str] = []
+        locations: list[tuple[str, str, str]] = []
         saw_graph = False
         try:
             for num, wt, a, b in _fields(buf, 0, size):
@@ -405,7 +413,14 @@ def onnx_opsets(path: Path) -> dict[str, int]:
 def check_onnx_file(path: Path) -> None:
     """Structural check of one .onnx file and of the external data it references."""
     folder = path.parent.resolve()
-    for loc in onnx_external_data_locations(path):
+    ends: dict[str, int | None] = {}  # location -> the end of its last tensor (None: unreadable numbers)
+    for loc, offset, length in _external_data(path):
+        try:
+            end = int(offset) + (int(length) if length else 0)
+        except ValueError:
+            end = None
+        ends[loc] = None if end is None or (loc in ends and ends[loc] is None) else max(ends.get(loc) or 0, end)
+    for loc, end in ends.items():
         p = Path(loc)
         if p.is_absolute() or loc.startswith(("/", "\\")) or ".." in p.parts or ".." in Path(loc.replace("\\", "/")).parts:
             raise UnsafeFileError(
@@ -426,3 +441,9 @@ def check_onnx_file(path: Path) -> None:
                 f"{path}: external data {loc!r} is a hard link (shared with a file elsewhere); "
                 "replace it with a plain copy or re-export"
             )
+        if end is None:
+            raise BundleError(f"{path}: external data {loc!r} has an offset or length that is not a number (corrupt); "
+                              "re-export the bundle")
+        if end > target.stat().st_size:  # ONNX Runtime would blame the .onnx file in a raw message
+            raise BundleError(f"{path}: external data file {loc!r} is truncated ({target.stat().st_size} bytes; its "
+                              f"tensors end at byte {end}); copy the whole model folder again or re-export the bundle")

@@ -66,6 +66,17 @@ def test_truncated_onnx(bundle_copy):
         load_bundle(b)
 
 
+def test_truncated_external_data(bundle_copy):
+    """ONNX Runtime's own message blamed the .onnx file ('Deserialize tensor ... failed')."""
+    b = bundle_copy()
+    graph = b / "target" / contract.DECODER_FILE
+    (data,) = set(onnx_external_data_locations(graph))
+    with open(graph.parent / data, "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(BundleError, match=f"external data file '{data}' is truncated .100 bytes"):
+        load_bundle(b)
+
+
 def test_garbage_onnx(bundle_copy):
     b = bundle_copy()
     (b / "target" / contract.DECODER_FILE).write_bytes(b"\xff" * 100)
