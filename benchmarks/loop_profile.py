@@ -36,8 +36,9 @@ def main() -> int:
         agg = {mode: np.zeros(2 + len(PARTS)) for mode in ("plain", "spec")}  # tokens, total, parts
         for prompt in CODE_PROMPTS[:4]:
             for mode in agg:
-                s = eng.generate(prompt, max_new_tokens=96, temperature=args.temperature, gamma=args.gamma, seed=1,
-                                 use_draft=mode == "spec").stats
+                spec = mode == "spec"   # (gamma with use_draft=False is refused: it does nothing)
+                s = eng.generate(prompt, max_new_tokens=96, temperature=args.temperature,
+                                 gamma=args.gamma if spec else None, seed=1, use_draft=spec).stats
                 agg[mode] += [s.emitted, s.total_s, *(getattr(s, p) for p in PARTS)]
     for mode, (n, total, *parts) in agg.items():
         other = total - sum(parts)

@@ -49,8 +49,9 @@ def main() -> int:
                 for mode in ("plain", "speculative"):
                     n, t0 = 0, time.perf_counter()
                     for i, ids in enumerate(prompts):
-                        n += len(e.generate(ids, max_new_tokens=args.max_new_tokens, temperature=t, gamma=args.gamma,
-                                            seed=rep * 100 + i, use_draft=mode == "speculative").ids)
+                        spec = mode == "speculative"   # (gamma with use_draft=False is refused: it does nothing)
+                        n += len(e.generate(ids, max_new_tokens=args.max_new_tokens, temperature=t,
+                                            gamma=args.gamma if spec else None, seed=rep * 100 + i, use_draft=spec).ids)
                     if rep:
                         tps.setdefault(f"{rt} {mode} T={t:g}", []).append(n / (time.perf_counter() - t0))
     summary = {k: statistics.median(v) for k, v in tps.items()}

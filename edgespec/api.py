@@ -365,7 +365,8 @@ class Engine:
                 raise InvalidArgumentError(f"prompt must be a string or a sequence of token ids; got {type(prompt).__name__}") from exc
             # (numpy makes [True, 2] an int array and [2**70] an object one: bools are refused, huge
             # ints reach the range check below)
-            bools = isinstance(prompt, (list, tuple)) and any(isinstance(i, (bool, np.bool_)) for i in prompt)
+            items = arr.tolist() if isinstance(prompt, np.ndarray) or not isinstance(prompt, Iterable) else prompt
+            bools = arr.dtype == bool or any(isinstance(i, (bool, np.bool_)) for i in (items if arr.ndim == 1 else ()))
             ints = np.issubdtype(arr.dtype, np.integer) or (arr.dtype == object and arr.ndim == 1 and
                                                             all(isinstance(i, int) for i in arr.tolist()))
             if arr.ndim != 1 or arr.size == 0 or bools or not ints:
@@ -660,7 +661,8 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
         huge_pages=huge_pages,
     )
     cores = usable_cores()
-    for name, cfg in (("threads", target_cfg), ("draft_threads", draft_cfg if load_draft else None)):
+    for name, cfg in (("threads", target_cfg),
+                      ("draft_threads", draft_cfg if load_draft and manifest.draft and draft_threads is not None else None)):
         n = cfg.intra_op_threads if cfg is not None and runtime == "onnx" else 0
         if n > cores:  # (a trial: threads=500 on 2 cores loaded in 10 s and generated 20 tokens in 4.5 s, not 10 ms)
             warnings.warn(f"{name}={n} (CLI --{name.replace('_', '-')}) on a machine where this process may use {cores} "

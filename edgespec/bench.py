@@ -175,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
     threads = default_target_threads(lookahead) if args.threads is None else args.threads
     threads = 0 if args.runtime == "xla" else threads  # ONNX Runtime's setting (--threads is refused with xla)
     spin = {"on": True, "off": False, None: None}[args.spin]
+    if args.provider is not None and not args.provider.strip(" ,"):
+        raise InvalidArgumentError("--provider is empty; give execution providers in order, e.g. --provider cpu")
     providers = tuple(("cpu" if args.provider is None else args.provider).split(","))
     ob = open_bundle(args.bundle, args.runtime, providers, threads, draft_threads, spin,
                      platform=args.platform, huge_pages=not args.no_huge_pages)

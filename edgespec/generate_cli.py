@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import unicodedata
 
 from .config import DRAFTERS
 from .errors import InvalidArgumentError
@@ -77,12 +78,12 @@ def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> st
     for i, src in enumerate(sources):
         # the token's text is what it adds to the decoded prefix
         text = engine.decode(ids[: i + 1])
-        if text.endswith("\ufffd") and i + 1 < len(sources):
-            continue  # a character whose bytes go on in the next token: shown (and marked) with that one
+        if i + 1 < len(sources):  # a character whose bytes go on in the next token: shown (and marked) with that one
+            text = text.rstrip("\ufffd")
         piece, prev = text[len(prev):], text
         # control characters (other than line breaks and tabs) shown escaped, not sent to the terminal
-        piece = "".join(ch.encode("unicode_escape").decode("ascii") if ch not in "\n\t" and not ch.isprintable()
-                        and not ch.isspace() else ch for ch in piece)
+        piece = "".join(ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch) == "Cc" and
+                        ch not in "\n\t" else ch for ch in piece)
         if src in _ANSI and piece:
             lead = piece[: len(piece) - len(piece.lstrip())]
             body = piece[len(lead):]

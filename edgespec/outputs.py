@@ -79,8 +79,14 @@ def check_output_folder(dest: Path, overwrite: bool, marker: str, what: str, fla
     """May a command write ``dest``? A new or empty folder, yes; an earlier output of the same
     command that holds nothing else, with ``overwrite`` (:func:`check_replaceable`). Without it the
     message says whether --overwrite would help (it used to suggest it for folders it then refused)."""
-    if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
-        return
+    if dest.is_symlink():  # (the rename at the end would refuse it, after all the work: swap_into_place)
+        raise OutputExistsError(f"{flag} {str(dest)!r} is a symbolic link; give the folder it points to, or a new path")
+    try:
+        if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
+            return
+    except OSError as exc:
+        raise OutputExistsError(f"{flag} {str(dest)!r} exists and cannot be read ({exc.strerror or exc}); choose "
+                                f"another {flag}") from None
     check_replaceable(dest, marker, what, flag, owned)
     if not overwrite:
         raise OutputExistsError(f"{flag} {str(dest)!r} holds {what} already; choose another {flag}, or pass --overwrite "

@@ -176,8 +176,11 @@ def test_bad_inputs(engines, tiny_bundle):
         eng.generate([4, 90])
     with pytest.raises(InvalidArgumentError, match=r"\[0, 80\)"):  # beyond int64: the range, not "integers"
         eng.generate([4, 2**70])
-    with pytest.raises(InvalidArgumentError, match="not bools"):      # numpy would make True a 1
-        eng.generate([True, 2])
+    from collections import deque
+
+    for bools in ([True, 2], deque([True, 2]), np.array([True, 2], dtype=object), np.array([True, False])):
+        with pytest.raises(InvalidArgumentError, match="not bools"):  # numpy would make True a 1
+            eng.generate(bools)
     with pytest.raises(PromptTooLongError, match="128"):
         eng.generate([4] * 129, max_new_tokens=1)
     with pytest.raises(PromptTooLongError, match="at most 29"):
@@ -284,6 +287,9 @@ def test_public_names_and_thread_oversubscription(tiny_bundle):
     with warnings.catch_warnings():
         warnings.simplefilter("error", edgespec.EdgeSpecWarning)
         edgespec.load(tiny_bundle("llama"), threads=cores, draft_threads=1)
+    with pytest.warns(edgespec.EdgeSpecWarning) as seen:  # draft_threads=None (as the target's) is not warned twice
+        edgespec.load(tiny_bundle("llama"), threads=cores + 1, draft_threads=None)
+    assert len(seen) == 1
     assert isinstance(eng, edgespec.Engine)
     out = eng.generate(PROMPT, max_new_tokens=3, temperature=0)
     assert isinstance(out, edgespec.GenerationOutput)

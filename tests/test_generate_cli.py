@@ -199,13 +199,20 @@ def test_show_drafts_marks_whitespace_tokens_visibly():
     out = render_marked(Indent(), [1, 2, 3], ["target", "accepted", "target"], color=False)
     assert out == "a[\\n\\n    ]\n\n    b"   # both line breaks and the indent survive the marking
 
-    class Bytes:  # byte-level tokens: a character may span several
+    class Bytes:  # byte-level tokens (an int is one byte, a bytes object several): a character may span several
         def decode(self, ids):
-            return bytes(ids).decode("utf-8", errors="replace")
+            return b"".join(bytes([i]) if isinstance(i, int) else i for i in ids).decode("utf-8", errors="replace")
 
     word = list("a\u4e16b".encode()) + [0x19]   # a, the three bytes of a CJK character, b, a control character
     out = render_marked(Bytes(), word, ["target", "accepted", "accepted", "accepted", "bonus", "target"], color=False)
     assert out == "a[\u4e16]<b>\\x19"   # the character whole (it was a[\ufffd]), the control character escaped
+    # tokens that straddle characters: each character goes with the token that completes it
+    two = "\u4e16\u754c".encode()             # E4 B8 | 96 E7 | 95 8C
+    out = render_marked(Bytes(), [two[:2], two[2:4], two[4:]], ["target", "target", "accepted"], color=False)
+    assert out == "\u4e16[\u754c]"
+    # format characters (a zero-width non-joiner in Persian) are text; a carriage return is escaped
+    out = render_marked(Bytes(), list("a\u200cb\rc".encode()), ["target"] * 7, color=False)
+    assert out == "a\u200cb\\rc"
 
 
 def test_gamma_on_a_single_model_bundle_is_an_error(bundle_copy, capsys):

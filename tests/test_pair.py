@@ -154,6 +154,11 @@ def test_output_exists_and_overwrite(pair, corpus, tmp_path):
     assert (out / "pair.json").stat().st_mtime_ns == stamp
     with pytest.raises(OutputExistsError, match="different recipe .*pass --overwrite to retrain"):
         train_pair("tiny", corpus, out, seed=1, progress=False)
+    link = tmp_path / "link"             # a link to an empty folder was accepted, then refused at the rename
+    (tmp_path / "elsewhere").mkdir()
+    link.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OutputExistsError, match="is a symbolic link"):
+        train_pair("tiny", corpus, link, progress=False)
     broken = tmp_path / "broken"
     broken.mkdir()
     for text in ("not json", "[1, 2]"):   # a clean refusal, not a traceback
