@@ -293,6 +293,7 @@ class Engine:
         # machine, so later calls start from it instead of from scratch.
         self._policies: dict[tuple, AdaptiveGamma] = {}
         self._lookahead: LookaheadDrafter | None = None
+        self._longest_token: int | None = None          # characters of the longest vocabulary entry (_check_text_fits)
         self._hybrid: HybridDrafter | None = None
         self._target_threads = target_threads   # ONNX Runtime intra-op threads of the target (0: ORT's default)
 
@@ -355,6 +356,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:  # whitespace is text: "\n" encodes to tokens
                 raise InvalidArgumentError("the prompt is empty; pass some text (or a non-empty list of token ids)")
+            self._check_text_fits(prompt)
             ids = self.encode(prompt)
             if not ids:
                 raise InvalidArgumentError(f"the prompt {prompt[:40]!r} encodes to no tokens with this bundle's tokenizer; use other text")
@@ -379,6 +381,21 @@ class Engine:
         if bad:
             raise InvalidArgumentError(f"prompt token ids must be in [0, {limit}); got {bad[:5]}")
         return ids
+
+    def _check_text_fits(self, text: str) -> None:
+        """Refuse text that cannot fit the target's positions before tokenizing it (a 27 MB prompt file
+        took 49 s to tokenize, then was refused): a token covers at most as many characters as the
+        longest entry of the vocabulary, and whitespace may vanish in normalization."""
+        limit = self.target.max_length
+        if len(text) <= 4096 or len(text) <= limit * 8:
+            return  # (the bound below cannot bite: not worth the scan)
+        if self._longest_token is None:
+            self._longest_token = max((len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
+        solid = len("".join(text.split()))     # characters that no tokenizer drops
+        if solid > (self._longest_token + 1) * limit:
+            raise PromptTooLongError(f"the prompt has {len(text)} characters, far more than the {limit} tokens the "
+                                     f"model takes (a token here covers at most {self._longest_token} characters); "
+                                     "shorten it", "prompt")
 
     def _check_lengths(self, n_prompt: int, max_new: int, use_draft: bool) -> None:
         seq2seq = self.manifest.target.kind == contract.KIND_SEQ2SEQ
