@@ -226,14 +226,15 @@ def run(args: argparse.Namespace) -> int:
               f"= {v['adaptive_over_best_static']:.3f} {iqr} (speculative tokens/s, same run)")
     for r in rows:
         if r["gamma"] is None and r["plain_step_share"] > 0.05:
-            print(f"{r['setting']}: {r['plain_step_share']:.0%} of the tokens came from plain target steps, which "
-                  "the adaptive policy found faster than drafted rounds here (the theory columns describe the "
-                  "drafted rounds)")
+            why = ("the adaptive policy found faster than drafted rounds here" if r["draft"] != "ngram" else
+                   "lookups that found nothing, or that the adaptive policy found faster than drafted rounds")
+            print(f"{r['setting']}: {r['plain_step_share']:.0%} of the tokens came from plain target steps ({why}; the "
+                  "theory columns describe the drafted rounds)")
     note = hardware_counters_note()
     print(note)
     warn_if_busy(others)  # after the table
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
-               "providers": args.provider or "cpu", "threads": threads, "draft_threads": draft_threads,
+               "providers": ",".join(providers), "threads": threads, "draft_threads": draft_threads,
                "platform": args.platform, "verify_width": ob.verify_width,
                "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
                "spin": args.spin or "default", "huge_pages": not args.no_huge_pages, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,

@@ -218,6 +218,12 @@ def load_bundle(folder: str | os.PathLike, *, allow_partial: bool = False,
             "it is not a bundle: delete it and run `edgespec export` again"
         )
     mpath = root / contract.MANIFEST_NAME
+    if not mpath.is_file() and (root / "pair.json").is_file():  # a pair from train-pair: checkpoints, not a bundle
+        ready = (root / "bundle" / contract.MANIFEST_NAME).is_file()
+        raise BundleError(
+            f"{str(root)!r} is a trained pair (Hugging Face checkpoints), not a bundle; "
+            + (f"its bundle, exported by edgespec demo, is {str(root / 'bundle')!r}" if ready else
+               f"export one: edgespec export --target {root / 'target'} --draft {root / 'draft'} --out BUNDLE"))
     if not mpath.is_file():
         raise BundleError(
             f"{str(root)!r} has no {contract.MANIFEST_NAME}; it is not an edgespec bundle "

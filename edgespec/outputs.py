@@ -39,7 +39,7 @@ class OwnedNames:
         return OwnedNames(self.names | set(names), self.patterns)
 
 
-PAIR_FILES = OwnedNames({"target", "draft", "pair.json"})
+PAIR_FILES = OwnedNames({"target", "draft", "pair.json", "bundle"})  # bundle: edgespec demo's export of the pair
 BUNDLE_FILES = OwnedNames({"edgespec.json", "target", "draft"})
 # a Hugging Face model folder as save_pretrained writes it (sharded weights too) plus distill.json;
 # the tokenizer's files are distill's _TOKENIZER_FILES (a test keeps the two lists together)
@@ -71,7 +71,7 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
         shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise OutputExistsError(
             f"{flag} {str(dest)!r} is {what} but also holds what this command did not write ({shown}); --overwrite "
-            f"would delete it with the old {what}: move it out of the folder, or choose another {flag}")
+            f"would delete that too: move it out of the folder, or choose another {flag}")
 
 
 def check_output_folder(dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out",

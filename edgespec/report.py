@@ -121,21 +121,24 @@ def _f(x: float, spec: str = ".3f") -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'setting':<34} {'alpha':>6} {'c':>6} {'tok/round':>9} {'(theory)':>8} "
-            f"{'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'[IQR]':>13} {'decode':>7} {'Thm3.8':>7} {'V':>5} "
-            f"{'Thm3.8/V':>8} {'fewer reads':>11}")
+    nan = float("nan")
+    # (header, width, cell of a row): every cell right-aligned under its header
+    cols = [("alpha", 6, lambda r: _f(r["alpha"])), ("c", 6, lambda r: _f(r["c"])),
+            ("tok/round", 9, lambda r: _f(r["tokens_per_round"], ".2f")),
+            ("(theory)", 8, lambda r: _f(r["expected_tokens_per_round"], ".2f")),
+            ("plain tok/s", 11, lambda r: _f(r["plain_tokens_per_s"], ".1f")),
+            ("spec tok/s", 10, lambda r: _f(r["spec_tokens_per_s"], ".1f")),
+            ("speedup", 8, lambda r: _f(r["speedup"], ".2f") + "x"),
+            ("[IQR]", 13, lambda r: "[{}-{}]".format(*(_f(v, ".2f") for v in (r.get("speedup_iqr") or [nan] * 2)))),
+            ("decode", 7, lambda r: _f(r.get("decode_speedup", nan), ".2f") + "x"),
+            ("Thm3.8", 7, lambda r: _f(r["predicted_speedup"], ".2f") + "x"),
+            ("V", 5, lambda r: _f(r.get("verify_cost_steps", nan), ".2f")),
+            ("Thm3.8/V", 8, lambda r: _f(r.get("predicted_speedup_verify_cost", nan), ".2f") + "x"),
+            ("fewer reads", 11, lambda r: _f(r.get("target_read_reduction", nan), ".2f") + "x")]
+    head = f"{'setting':<34} " + " ".join(f"{h:>{w}}" for h, w, _ in cols)
     lines = [head, "-" * len(head)]
     for r in rows:
-        iqr = r.get("speedup_iqr") or [float("nan")] * 2
-        lines.append(
-            f"{r['setting']:<34} {_f(r['alpha'])} {_f(r['c'])} {_f(r['tokens_per_round'], '9.2f')} "
-            f"{_f(r['expected_tokens_per_round'], '8.2f')} {_f(r['plain_tokens_per_s'], '11.1f')} "
-            f"{_f(r['spec_tokens_per_s'], '10.1f')} {_f(r['speedup'], '7.2f')}x "
-            f"[{_f(iqr[0], '.2f')}-{_f(iqr[1], '.2f')}] {_f(r.get('decode_speedup', float('nan')), '6.2f')}x "
-            f"{_f(r['predicted_speedup'], '6.2f')}x "
-            f"{_f(r.get('verify_cost_steps', float('nan')), '5.2f')} "
-            f"{_f(r.get('predicted_speedup_verify_cost', float('nan')), '7.2f')}x "
-            f"{_f(r.get('target_read_reduction', float('nan')), '10.2f')}x")
+        lines.append(f"{r['setting']:<34} " + " ".join(f"{cell(r):>{w}}" for _, w, cell in cols))
     notes = ["speedup: end to end (prefill and first token included), the median of the per-repeat spec / plain "
              "ratios [their IQR]; decode: the rate after the first token "
              "(time per output token), the part a draft can speed up",

@@ -62,7 +62,9 @@ def corollary_bound(alpha: float, c: float) -> float | None:
 # ----------------------------------------------------------------------------- CLI: edgespec plan
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--alpha", type=float, required=True, help="acceptance rate in [0, 1]")
-    p.add_argument("--c", type=float, required=True, help="draft step time / target step time (>= 0)")
+    p.add_argument("--c", type=float, required=True,
+                   help="draft step time / target step time (>= 0; the paper's c: edgespec bench's c is over a verify "
+                        "call, so pass its c x V)")
     p.add_argument("--max-gamma", type=int, default=12, help="largest gamma to tabulate (default 12)")
     p.add_argument("--c-hat", type=float, default=None, help="draft/target arithmetic ratio for Theorem 3.11 (default: c)")
 

@@ -838,3 +838,25 @@ def test_other_load_counts_other_processes_not_this_one(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "usable_cores", lambda: 2)
     assert other_load_note(0.1) is None and other_load_note(None) is None
     assert "other processes took 0.90 of the 2 cores this ran on" in other_load_note(0.9)
+
+
+def test_bench_table_cells_sit_under_their_headers():
+    """Every value ends where its header ends, with one repeat ([---]) and with several."""
+    from edgespec.report import format_table
+
+    row = {"setting": "model gamma=4 T=0", "alpha": 0.8, "c": 0.03, "tokens_per_round": 3.2,
+           "expected_tokens_per_round": 3.3, "plain_tokens_per_s": 200.0, "spec_tokens_per_s": 450.0, "speedup": 2.25,
+           "speedup_iqr": [float("nan")] * 2, "decode_speedup": 2.4, "predicted_speedup": 3.1, "verify_cost_steps": 1.3,
+           "predicted_speedup_verify_cost": 2.4, "target_read_reduction": 3.5}
+    head, _, one, many = format_table([row, {**row, "speedup_iqr": [2.2, 2.3]}]).splitlines()[:4]
+
+    import re
+
+    names = ["alpha", "c", "tok/round", "(theory)", "plain tok/s", "spec tok/s", "speedup", "[IQR]", "decode", "Thm3.8",
+             "V", "Thm3.8/V", "fewer reads"]
+    header_ends, pos = [], 35
+    for name in names:
+        pos = head.index(name, pos) + len(name)
+        header_ends.append(pos)
+    for line in (one, many):  # a row's cells hold no spaces
+        assert [35 + m.end() for m in re.finditer(r"\S+", line[35:])] == header_ends, (head, line)

@@ -170,6 +170,7 @@ def test_output_exists_and_overwrite(pair, corpus, tmp_path):
     (out / "distilled").mkdir()
     (out / "distilled" / "distill.json").write_text("{}")
     (out / "NOTES.txt").write_text("mine")
+    (out / "bundle").mkdir()   # edgespec demo's export of the pair: the pair's own, replaced with it
     with pytest.raises(OutputExistsError, match=r"also holds what this command did not write \(NOTES.txt, distilled\)"):
         train_pair("tiny", corpus, out, progress=False, overwrite=True)
     assert (out / "NOTES.txt").read_text() == "mine" and (out / "distilled" / "distill.json").exists()
@@ -316,3 +317,20 @@ def test_progress_bars_are_sparse_off_a_terminal(monkeypatch, corpus, tmp_path):
 
     monkeypatch.setattr(sys, "stderr", Tty())
     assert bar_options(True)["mininterval"] == 0.1
+
+
+def test_a_pair_folder_passed_as_a_bundle_says_where_the_bundle_is(pair, tmp_path):
+    """`edgespec generate PAIR` said only 'has no edgespec.json ... run edgespec export again'."""
+    import shutil
+
+    from edgespec.bundle import load_bundle
+    from edgespec.errors import BundleError
+
+    with pytest.raises(BundleError, match=r"is a trained pair .*edgespec export --target .*target --draft"):
+        load_bundle(pair)
+    copy = tmp_path / "pair"
+    shutil.copytree(pair, copy)
+    (copy / "bundle").mkdir()
+    (copy / "bundle" / "edgespec.json").write_text("{}")
+    with pytest.raises(BundleError, match=r"its bundle, exported by edgespec demo, is .*bundle'"):
+        load_bundle(copy)
