@@ -114,6 +114,8 @@ python benchmarks/peers.py --pair "$pair" --bundle "$large" --draft-dir "$pair/d
 python benchmarks/peers.py --pair "$pair" --bundle "$large" --draft-dir "$pair/distilled-large2" --gamma 5 --repeats 7 --threads 1 --out "$out/peers-large-1thread"
 python benchmarks/peers.py --pair "$pair" --bundle "$large4" --draft-dir "$pair/distilled-large4" --gamma 5 --repeats 7 --threads 2 --out "$out/peers-large4-2threads"
 python benchmarks/peers.py --pair "$pair" --bundle "$large4" --draft-dir "$pair/distilled-large4" --gamma 5 --repeats 7 --threads 1 --out "$out/peers-large4-1thread"
+# the same command again, as published (every peers.py run includes the lookahead drafter; this
+# second run was the first to show it, hence the folder's name)
 python benchmarks/peers.py --pair "$pair" --bundle "$large4" --draft-dir "$pair/distilled-large4" --gamma 5 --repeats 7 --threads 1 --out "$out/peers-large4-1thread-lookahead"
 python benchmarks/peers.py --pair "$pair" --bundle "$small" --draft-dir "$pair/distilled" --repeats 2 --max-new-tokens 48 --out "$out/peers"
 # 6. the XLA reference path on the same pair: greedy identity with ONNX Runtime and both runtimes' speed
