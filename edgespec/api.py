@@ -293,7 +293,6 @@ class Engine:
         # machine, so later calls start from it instead of from scratch.
         self._policies: dict[tuple, AdaptiveGamma] = {}
         self._lookahead: LookaheadDrafter | None = None
-        self._longest_token: int | None = None          # characters of the longest vocabulary entry (_check_text_fits)
         self._hybrid: HybridDrafter | None = None
         self._target_threads = target_threads   # ONNX Runtime intra-op threads of the target (0: ORT's default)
 
@@ -383,19 +382,20 @@ class Engine:
         return ids
 
     def _check_text_fits(self, text: str) -> None:
-        """Refuse text that cannot fit the target's positions before tokenizing it (a 27 MB prompt file
-        took 49 s to tokenize, then was refused): a token covers at most as many characters as the
-        longest entry of the vocabulary, and whitespace may vanish in normalization."""
+        """Refuse a text far too long for the target's positions before tokenizing all of it (a 27 MB
+        prompt file took 49 s to tokenize, then was refused): a prefix of it is tokenized, and if that
+        alone holds more tokens than the model takes, so does the text (a tokenization of the whole
+        differs from the prefix's at most by the tokens across the cut). No assumption is made about
+        characters per token: a tokenizer that fuses unknown characters into one token just makes
+        the prefix short of the limit, and the whole text is then tokenized as before."""
         limit = self.target.max_length
-        if len(text) <= 4096 or len(text) <= limit * 8:
-            return  # (the bound below cannot bite: not worth the scan)
-        if self._longest_token is None:
-            self._longest_token = max((len(t) for t in self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
-        solid = len("".join(text.split()))     # characters that no tokenizer drops
-        if solid > (self._longest_token + 1) * limit:
-            raise PromptTooLongError(f"the prompt has {len(text)} characters, far more than the {limit} tokens the "
-                                     f"model takes (a token here covers at most {self._longest_token} characters); "
-                                     "shorten it", "prompt")
+        cut = 64 * (limit + 64)   # characters: many times `limit` tokens of ordinary text
+        if len(text) <= 2 * cut:
+            return
+        n = len(self.tokenizer.encode(text[:cut], add_special_tokens=False).ids)
+        if n > limit + 8:         # (8: tokens that the cut may split or merge, special tokens)
+            raise PromptTooLongError(f"the prompt has {len(text)} characters; its first {cut} alone are {n} tokens, more "
+                                     f"than the {limit} the model takes; shorten it", "prompt")
 
     def _check_lengths(self, n_prompt: int, max_new: int, use_draft: bool) -> None:
         seq2seq = self.manifest.target.kind == contract.KIND_SEQ2SEQ
