@@ -332,13 +332,7 @@ class Engine:
         return d / t if t > 0 and d > 0 else 0.05  # sizes unknown (a hand-made manifest): a small draft
 
     def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise InvalidArgumentError(f"encode takes text (str); got {type(text).__name__}")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8 (e.g. a shell's $'\xff')
-            raise InvalidArgumentError(f"the prompt is not valid Unicode text (character {exc.start}: "
-                                       f"{text[exc.start:exc.end]!r}); pass UTF-8 text or token ids") from None
+        _check_text(text)
         return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -355,6 +349,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:  # whitespace is text: "\n" encodes to tokens
                 raise InvalidArgumentError("the prompt is empty; pass some text (or a non-empty list of token ids)")
+            _check_text(prompt)   # (before the prefix below reaches the tokenizer)
             self._check_text_fits(prompt)
             ids = self.encode(prompt)
             if not ids:
@@ -726,6 +721,17 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
             "not distributed exactly as plain decoding's; re-export the bundle (`edgespec export --quantize-target "
             "int8` now writes a causal per-token int8 target)", EdgeSpecWarning, stacklevel=2)
     return Engine(root, manifest, target, draft, tokenizer, target_threads=threads if runtime == "onnx" else None)
+
+
+def _check_text(text) -> None:
+    """Text the tokenizer can take, else a typed error."""
+    if not isinstance(text, str):
+        raise InvalidArgumentError(f"encode takes text (str); got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # lone surrogates: bytes that were not UTF-8 (e.g. a shell's $'\xff')
+        raise InvalidArgumentError(f"the prompt is not valid Unicode text (character {exc.start}: "
+                                   f"{text[exc.start:exc.end]!r}); pass UTF-8 text or token ids") from None
 
 
 def _check_xla_is_the_onnx_model(model_dir: Path) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shlex
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
@@ -222,8 +223,9 @@ def load_bundle(folder: str | os.PathLike, *, allow_partial: bool = False,
         ready = (root / "bundle" / contract.MANIFEST_NAME).is_file()
         raise BundleError(
             f"{str(root)!r} is a trained pair (Hugging Face checkpoints), not a bundle; "
-            + (f"its bundle, exported by edgespec demo, is {str(root / 'bundle')!r}" if ready else
-               f"export one: edgespec export --target {root / 'target'} --draft {root / 'draft'} --out BUNDLE"))
+            + (f"its bundle/ (which edgespec demo exports) is {str(root / 'bundle')!r}" if ready else
+               f"export one: edgespec export --target {shlex.quote(str(root / 'target'))} --draft "
+               f"{shlex.quote(str(root / 'draft'))} --out BUNDLE"))
     if not mpath.is_file():
         raise BundleError(
             f"{str(root)!r} has no {contract.MANIFEST_NAME}; it is not an edgespec bundle "

@@ -135,10 +135,11 @@ def format_table(rows: list[dict]) -> str:
             ("V", 5, lambda r: _f(r.get("verify_cost_steps", nan), ".2f")),
             ("Thm3.8/V", 8, lambda r: _f(r.get("predicted_speedup_verify_cost", nan), ".2f") + "x"),
             ("fewer reads", 11, lambda r: _f(r.get("target_read_reduction", nan), ".2f") + "x")]
-    head = f"{'setting':<34} " + " ".join(f"{h:>{w}}" for h, w, _ in cols)
+    first = max([34] + [len(r["setting"]) for r in rows])   # (top-k, top-p and lenience lengthen a label)
+    head = f"{'setting':<{first}} " + " ".join(f"{h:>{w}}" for h, w, _ in cols)
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['setting']:<34} " + " ".join(f"{cell(r):>{w}}" for _, w, cell in cols))
+        lines.append(f"{r['setting']:<{first}} " + " ".join(f"{cell(r):>{w}}" for _, w, cell in cols))
     notes = ["speedup: end to end (prefill and first token included), the median of the per-repeat spec / plain "
              "ratios [their IQR]; decode: the rate after the first token "
              "(time per output token), the part a draft can speed up",

@@ -178,6 +178,8 @@ def test_bad_inputs(engines, tiny_bundle):
         eng.generate([4, 2**70])
     with pytest.raises(PromptTooLongError, match="characters; its first .* alone are .* tokens, more than the 128"):
         eng.generate("the cat " * 50_000)   # refused from a prefix, before the whole text is tokenized
+    with pytest.raises(InvalidArgumentError, match="not valid Unicode"):   # a long text too (it was a TypeError)
+        eng.generate("\udcff" + "the cat " * 50_000)
     from collections import deque
 
     for bools in ([True, 2], deque([True, 2]), np.array([True, 2], dtype=object), np.array([True, False])):

@@ -848,15 +848,18 @@ def test_bench_table_cells_sit_under_their_headers():
            "expected_tokens_per_round": 3.3, "plain_tokens_per_s": 200.0, "spec_tokens_per_s": 450.0, "speedup": 2.25,
            "speedup_iqr": [float("nan")] * 2, "decode_speedup": 2.4, "predicted_speedup": 3.1, "verify_cost_steps": 1.3,
            "predicted_speedup_verify_cost": 2.4, "target_read_reduction": 3.5}
-    head, _, one, many = format_table([row, {**row, "speedup_iqr": [2.2, 2.3]}]).splitlines()[:4]
+    head, _, one, many, long = format_table([row, {**row, "speedup_iqr": [2.2, 2.3]},
+                                             {**row, "setting": "lookahead gamma=auto T=1 top_k=50 top_p=0.95 l=0.5"}]
+                                            ).splitlines()[:5]
 
     import re
 
     names = ["alpha", "c", "tok/round", "(theory)", "plain tok/s", "spec tok/s", "speedup", "[IQR]", "decode", "Thm3.8",
              "V", "Thm3.8/V", "fewer reads"]
-    header_ends, pos = [], 35
+    first = len("lookahead gamma=auto T=1 top_k=50 top_p=0.95 l=0.5") + 1   # the widest label sets the first column
+    header_ends, pos = [], first
     for name in names:
         pos = head.index(name, pos) + len(name)
         header_ends.append(pos)
-    for line in (one, many):  # a row's cells hold no spaces
-        assert [35 + m.end() for m in re.finditer(r"\S+", line[35:])] == header_ends, (head, line)
+    for line in (one, many, long):  # a row's cells hold no spaces
+        assert [first + m.end() for m in re.finditer(r"\S+", line[first:])] == header_ends, (head, line)

@@ -332,5 +332,5 @@ def test_a_pair_folder_passed_as_a_bundle_says_where_the_bundle_is(pair, tmp_pat
     shutil.copytree(pair, copy)
     (copy / "bundle").mkdir()
     (copy / "bundle" / "edgespec.json").write_text("{}")
-    with pytest.raises(BundleError, match=r"its bundle, exported by edgespec demo, is .*bundle'"):
+    with pytest.raises(BundleError, match=r"its bundle/ .which edgespec demo exports. is .*bundle."):
         load_bundle(copy)
