@@ -96,21 +96,23 @@ def build_grid(gammas, temperatures, top_k: int, top_p: float, lenience, drafts)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("bundle", help="bundle folder written by `edgespec export` (target + draft)")
-    p.add_argument("--runtime", choices=("onnx", "xla"), default="onnx")
+    p.add_argument("--runtime", choices=("onnx", "xla"), default="onnx",
+                   help="ONNX Runtime, or the bundle's XLA artifacts (export --format onnx+xla) (default onnx)")
     p.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, rocm, tpu (--runtime xla; default: JAX's default)")
     p.add_argument("--gammas", default="1,2,4,6,8,auto", help="comma list; 'auto' = adaptive (default 1,2,4,6,8,auto)")
     p.add_argument("--temperatures", default="0,1", help="comma list; 0 = greedy (default 0,1)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
     p.add_argument("--lenience", default="1", help="comma list of l in (0, 1] (Appendix A.5; 1 = exact)")
     p.add_argument("--draft", default="model", help="comma list of drafters: model, ngram, lookahead (the draft model drafting on while "
                    "the target verifies, on a second thread), hybrid (the draft model with prompt-lookup tokens where "
                    "those are kept more often) (default model)")
     p.add_argument("--prompts", type=Path, default=None,
                    help="text file, prompts separated by lines holding only '---' (default: built-in held-out code prompts)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=DEFAULT_MAX_NEW_TOKENS)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=DEFAULT_MAX_NEW_TOKENS,
+                   help=f"tokens generated per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
     p.add_argument("--repeats", type=at_least(1), default=5, help="measured repeats after one warm-up (default 5)")
-    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--seed", type=at_least(0), default=0, help="seed of each prompt's sampling (default 0)")
     p.add_argument("--provider", default=None, help="execution providers, comma list in priority order (default cpu)")
     p.add_argument("--threads", type=int, default=None,
                    help="target intra-op threads (0 = ORT default; default 0, or with the lookahead drafter in "

@@ -427,8 +427,11 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
 
     def reused(dest: Path, fix: str) -> bool:
         """A complete pair of this recipe is at dest (reuse it); one of another recipe is an error."""
-        if not is_complete(dest):
-            return False
+        try:
+            if not is_complete(dest):
+                return False
+        except OSError as exc:  # (an unreadable folder: a typed error, as check_output_folder gives)
+            raise OutputExistsError(f"{dest} cannot be read ({exc.strerror or exc}); choose another folder") from None
         try:
             meta = json.loads((dest / "pair.json").read_text())
         except (OSError, UnicodeDecodeError, ValueError) as exc:

@@ -334,3 +334,16 @@ def test_a_pair_folder_passed_as_a_bundle_says_where_the_bundle_is(pair, tmp_pat
     (copy / "bundle" / "edgespec.json").write_text("{}")
     with pytest.raises(BundleError, match=r"its bundle/ .which edgespec demo exports. is .*bundle."):
         load_bundle(copy)
+
+
+def test_an_unreadable_out_is_a_typed_error(corpus, tmp_path, monkeypatch):
+    """(Simulated: this suite may run as root, whom permissions do not stop.)"""
+    import edgespec.pair as pair_mod
+
+    def unreadable(folder):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(pair_mod, "is_complete", unreadable)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(OutputExistsError, match="cannot be read .Permission denied"):
+        train_pair("tiny", corpus, tmp_path / "out", progress=False)
