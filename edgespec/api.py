@@ -349,7 +349,6 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:  # whitespace is text: "\n" encodes to tokens
                 raise InvalidArgumentError("the prompt is empty; pass some text (or a non-empty list of token ids)")
-            _check_text(prompt)   # (before the prefix below reaches the tokenizer)
             self._check_text_fits(prompt)
             ids = self.encode(prompt)
             if not ids:
@@ -359,15 +358,12 @@ class Engine:
                 arr = np.asarray(prompt)
             except Exception as exc:
                 raise InvalidArgumentError(f"prompt must be a string or a sequence of token ids; got {type(prompt).__name__}") from exc
-            # (numpy makes [True, 2] an int array and [2**70] an object one: bools are refused, huge
+            # the items as given (numpy makes [True, 2] an int array, and [2**70] an object one whose
             # ints reach the range check below)
-            items = arr.tolist() if isinstance(prompt, np.ndarray) or not isinstance(prompt, Iterable) else prompt
-            bools = arr.dtype == bool or any(isinstance(i, (bool, np.bool_)) for i in (items if arr.ndim == 1 else ()))
-            ints = np.issubdtype(arr.dtype, np.integer) or (arr.dtype == object and arr.ndim == 1 and
-                                                            all(isinstance(i, int) for i in arr.tolist()))
-            if arr.ndim != 1 or arr.size == 0 or bools or not ints:
+            items = (arr.tolist() if isinstance(prompt, np.ndarray) else list(prompt)) if arr.ndim == 1 else []
+            if not items or any(isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) for i in items):
                 raise InvalidArgumentError("prompt ids must be a non-empty 1-D sequence of integers (not bools)")
-            ids = [int(i) for i in arr.tolist()]
+            ids = [int(i) for i in items]
         limit = self.target.vocab_size
         if use_draft:
             limit = min(limit, self.draft.vocab_size)
@@ -387,6 +383,7 @@ class Engine:
         cut = 64 * (limit + 64)   # characters: many times `limit` tokens of ordinary text
         if len(text) <= 2 * cut:
             return
+        _check_text(text[:cut])   # (encode() checks the whole text; this prefix reaches the tokenizer first)
         n = len(self.tokenizer.encode(text[:cut], add_special_tokens=False).ids)
         if n > limit + 8:         # (8: tokens that the cut may split or merge, special tokens)
             raise PromptTooLongError(f"the prompt has {len(text)} characters; its first {cut} alone are {n} tokens, more "

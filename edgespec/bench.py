@@ -177,9 +177,7 @@ def run(args: argparse.Namespace) -> int:
     threads = default_target_threads(lookahead) if args.threads is None else args.threads
     threads = 0 if args.runtime == "xla" else threads  # ONNX Runtime's setting (--threads is refused with xla)
     spin = {"on": True, "off": False, None: None}[args.spin]
-    if args.provider is not None and not args.provider.strip(" ,"):
-        raise InvalidArgumentError("--provider is empty; give execution providers in order, e.g. --provider cpu")
-    providers = tuple(("cpu" if args.provider is None else args.provider).split(","))
+    providers = "cpu" if args.provider is None else args.provider   # parsed (and an empty list refused) by load()
     ob = open_bundle(args.bundle, args.runtime, providers, threads, draft_threads, spin,
                      platform=args.platform, huge_pages=not args.no_huge_pages)
     if lookahead and args.runtime == "onnx":  # XLA has no thread setting to change
@@ -236,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     print(note)
     warn_if_busy(others)  # after the table
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
-               "providers": ",".join(providers), "threads": threads, "draft_threads": draft_threads,
+               "providers": providers, "threads": threads, "draft_threads": draft_threads,
                "platform": args.platform, "verify_width": ob.verify_width,
                "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
                "spin": args.spin or "default", "huge_pages": not args.no_huge_pages, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,

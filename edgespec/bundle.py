@@ -421,14 +421,10 @@ def onnx_opsets(path: Path) -> dict[str, int]:
 def check_onnx_file(path: Path) -> None:
     """Structural check of one .onnx file and of the external data it references."""
     folder = path.parent.resolve()
-    ends: dict[str, int | None] = {}  # location -> the end of its last tensor (None: unreadable numbers)
+    spans: dict[str, list[tuple[str, str]]] = {}  # location -> (offset, length) of its tensors, as written
     for loc, offset, length in _external_data(path):
-        try:
-            end = int(offset) + (int(length) if length else 0)
-        except ValueError:
-            end = None
-        ends[loc] = None if end is None or (loc in ends and ends[loc] is None) else max(ends.get(loc) or 0, end)
-    for loc, end in ends.items():
+        spans.setdefault(loc, []).append((offset, length))
+    for loc, extents in spans.items():
         p = Path(loc)
         if p.is_absolute() or loc.startswith(("/", "\\")) or ".." in p.parts or ".." in Path(loc.replace("\\", "/")).parts:
             raise UnsafeFileError(
@@ -449,9 +445,12 @@ def check_onnx_file(path: Path) -> None:
                 f"{path}: external data {loc!r} is a hard link (shared with a file elsewhere); "
                 "replace it with a plain copy or re-export"
             )
-        if end is None:
+        try:
+            end = max(int(offset) + (int(length) if length else 0) for offset, length in extents)
+        except ValueError:
             raise BundleError(f"{path}: external data {loc!r} has an offset or length that is not a number (corrupt); "
-                              "re-export the bundle")
-        if end > target.stat().st_size:  # ONNX Runtime would blame the .onnx file in a raw message
-            raise BundleError(f"{path}: external data file {loc!r} is truncated ({target.stat().st_size} bytes; its "
-                              f"tensors end at byte {end}); copy the whole model folder again or re-export the bundle")
+                              "re-export the bundle") from None
+        size = target.stat().st_size
+        if end > size:  # ONNX Runtime would blame the .onnx file in a raw message
+            raise BundleError(f"{path}: external data file {loc!r} is truncated ({size} bytes; its tensors end at "
+                              f"byte {end}); copy the whole model folder again or re-export the bundle")

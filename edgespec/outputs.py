@@ -74,6 +74,11 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
             f"would delete that too: move it out of the folder, or choose another {flag}")
 
 
+def _vacant(dest: Path) -> bool:
+    """Nothing at ``dest``, or an empty folder that is not a symbolic link: writing there replaces nothing."""
+    return not os.path.lexists(dest) or (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir()))
+
+
 def check_output_folder(dest: Path, overwrite: bool, marker: str, what: str, flag: str = "--out",
                         owned: OwnedNames | None = None) -> None:
     """May a command write ``dest``? A new or empty folder, yes; an earlier output of the same
@@ -82,7 +87,7 @@ def check_output_folder(dest: Path, overwrite: bool, marker: str, what: str, fla
     if dest.is_symlink():  # (the rename at the end would refuse it, after all the work: swap_into_place)
         raise OutputExistsError(f"{flag} {str(dest)!r} is a symbolic link; give the folder it points to, or a new path")
     try:
-        if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
+        if _vacant(dest):
             return
     except OSError as exc:
         raise OutputExistsError(f"{flag} {str(dest)!r} exists and cannot be read ({exc.strerror or exc}); choose "
@@ -97,7 +102,7 @@ def check_swap(dest: Path, overwrite: bool, marker: str, what: str, flag: str = 
                owned: OwnedNames | None = None) -> None:
     """Would :func:`swap_into_place` refuse ``dest`` now? (A command that must tidy its work
     folder first asks before it does: a refused rename must leave a resumable run.)"""
-    if not os.path.lexists(dest) or (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())):
+    if _vacant(dest):
         return
     if not overwrite:
         raise OutputExistsError(f"{flag} {str(dest)!r} appeared while this command ran (another run with the same "
@@ -113,7 +118,7 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
     if anything appeared; an existing output is replaced only with ``overwrite`` and only if it is
     still ``what`` (holds ``marker``). It is moved aside first and removed after, so ``dest`` is
     never a half-replaced mix; if the second rename fails or is interrupted, it is put back."""
-    if not os.path.lexists(dest) or (dest.is_dir() and not dest.is_symlink() and not any(dest.iterdir())):
+    if _vacant(dest):
         try:
             if os.path.lexists(dest):
                 os.rmdir(dest)  # an empty folder (Windows cannot rename onto one); fails if it filled meanwhile
