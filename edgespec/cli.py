@@ -7,6 +7,7 @@ import argparse
 import errno
 import importlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -28,13 +29,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # argparse reads `--prompt -x` as a missing value followed by an option
+        m = re.fullmatch(r"argument (--[\w-]+)(?:/[^:]*)?: expected one argument", message)
+        if m:
+            message += f" (a value that starts with '-' is written {m.group(1)}=VALUE)"
+        super().error(message)
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The top-level parser; ``parser.commands`` maps each command to its own parser."""
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="edgespec", description="Exact speculative decoding for edge and accelerator hardware.")
+    parser = _Parser(prog="edgespec", description="Exact speculative decoding for edge and accelerator hardware.")
     parser.add_argument("--version", action="version", version=f"edgespec {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     parser.commands = {}
     for name, (module, help_text) in COMMANDS.items():

@@ -181,6 +181,12 @@ def test_cli_sigterm_oserror_and_unknown_flags(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2 and "usage: edgespec plan" in err and "unrecognized arguments: --force" in err
 
+    # a value that starts with '-' reads as a missing one: the message says how to write it
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "bundle", "--prompt", "-x"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "argument --prompt: expected one argument" in err and "--prompt=VALUE" in err
+
 
 def test_show_drafts_marks_whitespace_tokens_visibly():
     from edgespec.generate_cli import render_marked
