@@ -30,6 +30,7 @@ import numpy as np
 
 from . import contract
 from .adaptive import AdaptiveGamma
+from .backend import prompt_limit
 from .bundle import BundleManifest, load_bundle
 from .config import DRAFTERS, GenerationConfig, SamplingConfig, as_float, as_int
 from .drafters import HybridDrafter, LookaheadDrafter, NgramDrafter
@@ -379,7 +380,7 @@ class Engine:
         differs from the prefix's at most by the tokens across the cut). No assumption is made about
         characters per token: a tokenizer that fuses unknown characters into one token just makes
         the prefix short of the limit, and the whole text is then tokenized as before."""
-        limit = self.target.max_length
+        limit = prompt_limit(self.target)
         cut = 64 * (limit + 64)   # characters: many times `limit` tokens of ordinary text
         if len(text) <= 2 * cut:
             return
@@ -393,9 +394,9 @@ class Engine:
         seq2seq = self.manifest.target.kind == contract.KIND_SEQ2SEQ
         limit = self.target.max_length
         if seq2seq:  # the prompt goes to the encoder; the decoder's positions hold the start token + new tokens
-            if n_prompt > limit:
-                raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most {limit}; shorten it",
-                                         "prompt")
+            if n_prompt > prompt_limit(self.target):
+                raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most "
+                                         f"{prompt_limit(self.target)}; shorten it", "prompt")
             if max_new > limit:
                 raise PromptTooLongError(f"max_new_tokens ({max_new}) exceeds the decoder's {limit} positions (the prompt "
                                          f"does not count: it goes to the encoder); lower max_new_tokens to at most {limit}",
@@ -409,9 +410,9 @@ class Engine:
                 f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the target's {limit} positions; "
                 f"shorten the prompt or lower max_new_tokens to at most {max(limit - n_prompt + 1, 0)}"
             )
-        if use_draft and n_prompt > self.draft.max_length:
+        if use_draft and n_prompt > prompt_limit(self.draft):
             raise PromptTooLongError(
-                f"prompt has {n_prompt} tokens but the draft model has only {self.draft.max_length} positions; "
+                f"prompt has {n_prompt} tokens but the draft model takes at most {prompt_limit(self.draft)}; "
                 "shorten the prompt or decode without the draft (use_draft=False; CLI: --no-draft)", "prompt"
             )
 

@@ -23,6 +23,9 @@ class Backend(Protocol):
             ``length`` counts decoder tokens only (T5); absent means decoder-only.
         verify_width (optional): the most tokens one ``extend`` call takes (XLA artifacts are
             compiled for fixed widths); absent means any number.
+        max_prompt_length (optional): the most tokens ``prefill`` takes where that differs from
+            ``max_length`` (a T5 encoder exported for longer inputs than its decoder buffer);
+            absent means ``max_length``. Read it through ``prompt_limit``.
     """
 
     vocab_size: int
@@ -42,3 +45,8 @@ class Backend(Protocol):
 
     def free(self) -> None:
         """Release the cache (the backend may be used again after ``prefill``)."""
+
+
+def prompt_limit(backend) -> int:
+    """The most prompt tokens ``backend.prefill`` takes."""
+    return getattr(backend, "max_prompt_length", backend.max_length)

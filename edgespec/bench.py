@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .backend import prompt_limit
 from .config import SamplingConfig
 from .errors import InvalidArgumentError, PromptTooLongError
 from .cli import at_least
@@ -191,10 +192,10 @@ def run(args: argparse.Namespace) -> int:
     longest = max(len(p) for p in prompts)
     # (a prompt too long for the target too is reported by the run, as the target's)
     if ob.draft is not None and any(s.draft != "ngram" for s in grid) and \
-            ob.draft.backend.max_length < longest <= ob.target.backend.max_length:
+            prompt_limit(ob.draft.backend) < longest <= prompt_limit(ob.target.backend):
         which = "the built-in prompts" if args.prompts is None else f"--prompts {args.prompts}"
-        raise PromptTooLongError(f"a prompt has {longest} tokens but the draft model has only {ob.draft.backend.max_length} "
-                                 f"positions ({which}): pass --prompts FILE with shorter prompts, or measure the "
+        raise PromptTooLongError(f"a prompt has {longest} tokens but the draft model takes at most "
+                                 f"{prompt_limit(ob.draft.backend)} ({which}): pass --prompts FILE with shorter prompts, or measure the "
                                  "prompt-lookup drafter alone (--draft ngram)", "prompt")
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
     for name, backend in (("target", ob.target.backend), ("draft", ob.draft.backend if ob.draft else None)):

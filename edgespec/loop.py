@@ -12,7 +12,7 @@ from typing import Callable, Generator, Sequence
 
 import numpy as np
 
-from .backend import Backend
+from .backend import Backend, prompt_limit
 from .config import GenerationConfig
 from .errors import InvalidArgumentError, PromptTooLongError
 from .adaptive import AdaptiveGamma
@@ -130,9 +130,9 @@ def _check_prompt(prompt_ids: Sequence[int], target: Backend) -> np.ndarray:
     if prompt.min() < 0 or prompt.max() >= target.vocab_size:
         raise InvalidArgumentError(
             f"prompt token ids must be in [0, {target.vocab_size}); got min {prompt.min()}, max {prompt.max()}")
-    if prompt.size > target.max_length:
+    if prompt.size > prompt_limit(target):
         raise PromptTooLongError(
-            f"the prompt has {prompt.size} tokens but the model takes at most {target.max_length}; shorten it", "prompt")
+            f"the prompt has {prompt.size} tokens but the model takes at most {prompt_limit(target)}; shorten it", "prompt")
     return prompt
 
 

@@ -25,7 +25,7 @@ class ReadCounter:
     def __init__(self, backend, weight_bytes: int, kv_bytes_per_token: int):
         self.backend = backend
         self.vocab_size, self.max_length = backend.vocab_size, backend.max_length
-        for name in ("is_encoder_decoder", "verify_width"):  # the loop and the drafters read them
+        for name in ("is_encoder_decoder", "verify_width", "max_prompt_length"):  # the loop and drafters read them
             if hasattr(backend, name):
                 setattr(self, name, getattr(backend, name))
         self.weight_bytes, self.kv_bytes_per_token = weight_bytes, kv_bytes_per_token

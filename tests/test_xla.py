@@ -429,6 +429,25 @@ def test_prompt_too_long(backends):
         backends["t5"].prefill(np.arange(MAX_SRC + 1) % 50)
 
 
+def test_t5_prompt_limit_is_the_encoders(root, checkpoints, hf_models):
+    """A T5 exported for inputs longer than its decoder buffer (summarisation: long in, short out)
+    takes such a prompt: the prompt is checked against the encoder, not the decoder positions."""
+    from edgespec.config import GenerationConfig, SamplingConfig
+    from edgespec.loop import generate
+
+    out = root / "t5-long-source"
+    export_xla(checkpoints["t5"], out, platforms=("cpu",), max_length=16, verify_width=VERIFY, widths=WIDTHS,
+               max_source_length=40)
+    target, draft = XlaBackend.from_dir(out), XlaBackend.from_dir(out)
+    assert (target.max_length, target.max_prompt_length) == (16, 40)
+    prompt = np.random.default_rng(0).integers(4, 59, size=30)
+    ref = _hf_greedy(hf_models["t5"], "t5", prompt, 8)
+    config = GenerationConfig(max_new_tokens=8, gamma=3, sampling=SamplingConfig(temperature=0))
+    assert generate(target, prompt, config, np.random.default_rng(0), draft=draft).tokens[:len(ref)] == ref
+    with pytest.raises(PromptTooLongError, match="at most 40"):
+        generate(target, np.arange(41) % 50 + 4, config, np.random.default_rng(0), draft=draft)
+
+
 def test_extend_past_buffers_and_too_wide(backends):
     be = backends["llama"]
     be.prefill(np.arange(MAX_LEN - 2) % 50 + 4)

@@ -62,6 +62,22 @@ def test_greedy_identical_across_runtimes(xla_bundle, arch):
     assert max_logit_diff < 1e-4
 
 
+def test_t5_engine_takes_prompts_up_to_the_encoder_length(tiny_checkpoints, tmp_path):
+    """XLA artifacts of a T5 exported for long inputs and short outputs: the Engine checks the prompt
+    against the encoder (40), not the decoder buffer (16)."""
+    from edgespec.errors import PromptTooLongError
+    from edgespec.export.pipeline import export_bundle
+
+    t, d = tiny_checkpoints("t5")
+    export_bundle(t, tmp_path / "b", draft=d, progress=None, xla=dict(max_length=16, verify_width=4, max_source_length=40))
+    with load(tmp_path / "b", runtime="xla") as eng:
+        prompt = [int(x) for x in np.random.default_rng(0).integers(4, 59, size=30)]
+        plain = eng.generate(prompt, max_new_tokens=8, temperature=0, use_draft=False).ids
+        assert eng.generate(prompt, max_new_tokens=8, temperature=0).ids == plain
+        with pytest.raises(PromptTooLongError, match="encoder takes at most 40"):
+            eng.generate(prompt * 2, max_new_tokens=8, temperature=0)
+
+
 def test_generate_cli_xla_and_missing_artifacts(xla_bundle, tiny_bundle, capsys):
     assert main(["generate", str(xla_bundle("gpt2")), "--prompt", "the cat", "--runtime", "xla",
                  "--temperature", "0", "--max-new-tokens", "8"]) == 0
