@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from edgespec import contract
-from edgespec.errors import ValidationError
+from edgespec.errors import EdgeSpecError, ValidationError
 
 PREFILL_TOKENS = 7
 MULTI_STEP_TOKENS = 4  # the k-token step (gamma + 1 with gamma = 3)
@@ -99,8 +99,6 @@ def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, see
     """``static``: a static-KV graph (past and present are buffers of a fixed capacity; here the
     validated length, present[:, :, :end] is compared), else a concat graph (past starts empty).
     Returns the stages' differences and the reference's logits_range."""
-    import torch
-
     sess = _session(folder / contract.DECODER_FILE)
     in_names = {i.name for i in sess.get_inputs()}
     past_names = contract.decoder_past_names(num_layers)
@@ -109,12 +107,8 @@ def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, see
     heads, head = shapes[past_names[0]][1], shapes[past_names[0]][3]
     ftype = _float_type(sess, past_names[0])
 
-    rng = np.random.default_rng(seed)
     total = validated_positions(max_positions)
-    ids = rng.integers(0, vocab_limit, size=(1, total), dtype=np.int64)
-    junk = rng.integers(0, vocab_limit, size=(1, MULTI_STEP_TOKENS), dtype=np.int64)
-    with torch.no_grad():
-        ref = model(input_ids=torch.from_numpy(ids), use_cache=True)
+    ids, junk, ref = _decoder_reference(model, vocab_limit, total, seed)
     ref_logits = ref.logits.float().numpy()
     ref_kv = [a for pair in _kv_pairs(ref.past_key_values) for a in pair]
 
@@ -143,6 +137,47 @@ def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, see
                 diffs[name] = _diff(got[:, :, lo:end], want[:, :, lo - offset:end - offset], name)
         stages[stage] = _merge(stages.get(stage), diffs)
         past, start = outs[1:], end
+    return stages, logits_range(ref_logits)
+
+
+def _decoder_reference(model, vocab_limit: int, total: int, seed: int):
+    """The validated sequence ids [1, total], the junk of the rejected round [1, k], and PyTorch's
+    one cache-free forward over the sequence."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab_limit, size=(1, total), dtype=np.int64)
+    junk = rng.integers(0, vocab_limit, size=(1, MULTI_STEP_TOKENS), dtype=np.int64)
+    with torch.no_grad():
+        return ids, junk, model(input_ids=torch.from_numpy(ids), use_cache=True)
+
+
+def validate_runtime(model, backend, vocab_limit: int, seed: int = 0,
+                     max_positions: int | None = None) -> tuple[dict, float]:
+    """The calls of validate_decoder made through the runtime's backend over the written graphs
+    (a decoder-only ``Backend``: its IOBinding, its KV buffers, in place for static-KV graphs, and
+    ``rewind_to`` after the rejected round), so that the path generation runs is what is checked;
+    the raw-session validation above passes past and present as separate arrays. Logits only (the
+    cache is the backend's own)."""
+    total = validated_positions(max_positions)
+    ids, junk, ref = _decoder_reference(model, vocab_limit, total, seed)
+    ref_logits = ref.logits.float().numpy()
+    stages, start = {}, 0
+    for stage, k, rejected in _plan(total):
+        end = start + k
+        try:
+            if stage == "prefill":
+                got, want = backend.prefill(ids[0, :end])[None, None], ref_logits[:, end - 1:end]
+            else:
+                got, want = backend.extend(junk[0] if rejected else ids[0, start:end])[None], ref_logits[:, start:end]
+        except EdgeSpecError as exc:
+            raise ValidationError(f"the runtime could not run the exported graph ({stage}): {exc}; no bundle was "
+                                  "written. Try `edgespec export --graph optimum`, or report the model config") from exc
+        if rejected:
+            backend.rewind_to(start)
+            continue
+        stages[stage] = _merge(stages.get(stage), {contract.LOGITS: _diff(got, want, contract.LOGITS)})
+        start = end
     return stages, logits_range(ref_logits)
 
 

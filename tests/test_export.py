@@ -328,6 +328,22 @@ def test_validation_over_tolerance_fails_and_leaves_nothing(tiny_checkpoints, tm
     assert _nothing_written(out)
 
 
+@pytest.mark.parametrize("graph", ["static", "optimum"])
+def test_the_runtimes_own_calls_are_validated(tiny_checkpoints, tmp_path, monkeypatch, graph):
+    """Export also runs the written graphs through the runtime's backend (its IOBinding, its KV
+    buffers, rewind_to) against PyTorch: a backend that forgets to rewind fails the export."""
+    from edgespec.runtimes.onnx_backend import OnnxDecoderBackend
+
+    target, _ = tiny_checkpoints("llama")
+    options = ExportOptions(graph=graph)
+    ok = export_bundle(target, tmp_path / "ok", options=options, progress=None).models["target"].validation
+    assert ok["runtime"]["max_abs_diff"] < 1e-4 and "after_rewind" in ok["runtime"]["stages"]
+    monkeypatch.setattr(OnnxDecoderBackend, "rewind_to", lambda self, n: None)
+    with pytest.raises(ValidationError, match=r"target \(runtime\): ONNX Runtime output after_rewind/logits differs"):
+        export_bundle(target, tmp_path / "bad", options=options, progress=None)
+    assert _nothing_written(tmp_path / "bad")
+
+
 def test_fp16_is_a_clear_error(tiny_checkpoints, tmp_path, capsys):
     target, _ = tiny_checkpoints("gpt2")
     _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o"), "--dtype", "fp16", "--quantize", "int8"],
