@@ -102,7 +102,10 @@ def run(args: argparse.Namespace) -> int:
 
     # every option is checked before minutes of training
     gammas = parse_list(args.gamma, lambda x: parse_gamma(x, "--gamma"), "gamma")
-    get_preset(args.preset)
+    positions = get_preset(args.preset).context  # the pair's models are trained for this many positions
+    if args.max_new_tokens >= positions:
+        raise InvalidArgumentError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
+                                   f"{args.preset} pair's {positions} positions; lower it")
     t_all = time.perf_counter()
     log(f"step 1/4: the {args.preset} pair (trained once, then cached)")
     pair_dir = train_pair(args.preset, args.corpus, seed=args.seed, progress=True)
@@ -112,9 +115,6 @@ def run(args: argparse.Namespace) -> int:
     log("step 3/4: a speculative generation (T=0.7, top-p 0.9, exact), streamed as tokens are committed")
     eng = load(bundle, threads=args.threads, spinning=False)
     room = eng.manifest.target.max_positions - args.max_new_tokens
-    if room < 1:
-        raise InvalidArgumentError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
-                                   f"model's {eng.manifest.target.max_positions} positions; lower it")
 
     def fit(text: str) -> list[int]:  # keep the prompt's tail when the model's positions are few
         return eng.encode(text)[-room:]

@@ -292,7 +292,8 @@ def test_demo_checks_its_options_before_training(monkeypatch, capsys):
                           (["--gamma", "4,4"], "--gamma lists a value twice"), (["--gamma", "3,x"], "--gamma"), (["--repeats", "0"], "--repeats"),
                           (["--max-new-tokens", "0"], "--max-new-tokens"), (["--threads", "-1"], "--threads"),
                           (["--repeats", "2.5"], "--repeats: expected an integer"),
-                          (["--preset", "bogus"], "unknown preset 'bogus'")):
+                          (["--preset", "bogus"], "unknown preset 'bogus'"),
+                          (["--preset", "tiny", "--max-new-tokens", "32"], "in the tiny pair's 32 positions")):
         assert _exit_code(["demo", *extra]) == 2, extra
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err and "step 1/4" not in err, (extra, err)
