@@ -12,8 +12,9 @@ An ``Engine`` owns one sequence's KV caches. It may be shared across threads: ge
 serialized (a call waits until the running one, or an open stream of another thread, finishes).
 A stream holds the engine from its first step until it is exhausted, closed (``stream.close()``,
 ``with`` block, ``break`` out of the ``for`` loop) or garbage-collected. In one thread, a new
-generate call supersedes a stream that is still open there: that stream then raises
-EngineBusyError instead of continuing from caches it no longer owns.
+generate call supersedes a stream that is still open there, when the new call starts generating
+(a new stream: at its first step): the old stream then raises EngineBusyError instead of
+continuing from caches it no longer owns.
 """
 from __future__ import annotations
 
@@ -235,12 +236,12 @@ class TextStream:
         steps = self._steps_ref() if self._steps_ref is not None else None
         if steps is not None and not core.closed:
             return steps
-        if self._steps_ref is not None and (core.closed or core.result is not None):
-            if core.result is None:
-                raise InvalidArgumentError(
-                    "the stream was closed before it finished, so it cannot be iterated again (closing it, leaving a "
-                    "for loop over it early or dropping its iterator, as next(iter(stream)) does, ends it); call "
-                    "generate(..., stream=True) again, and use next(stream) to take one chunk at a time")
+        if core.closed and core.result is None:  # (closed before its first step too)
+            raise InvalidArgumentError(
+                "the stream was closed before it finished, so it cannot be iterated again (closing it, leaving a "
+                "for loop over it early or dropping its iterator, as next(iter(stream)) does, ends it); call "
+                "generate(..., stream=True) again, and use next(stream) to take one chunk at a time")
+        if self._steps_ref is not None and core.result is not None:
             return iter(())  # finished: nothing more
         steps = core.steps()
         self._steps_ref = weakref.ref(steps)

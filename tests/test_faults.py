@@ -293,6 +293,11 @@ def test_second_stream_in_the_same_thread_supersedes_the_first(engine, tiny_bund
     for again in (lambda: next(held), lambda: list(held)):
         with pytest.raises(InvalidArgumentError, match="closed before it finished"):
             again()
+    unread = engine.generate(PROMPT, seed=2, stream=True, **KW)
+    unread.close()                     # closed before its first step: next() says so too (not a bare StopIteration)
+    for again in (lambda: next(unread), lambda: list(unread)):
+        with pytest.raises(InvalidArgumentError, match="closed before it finished"):
+            again()
     sixth = engine.generate(PROMPT, seed=2, stream=True, **KW)
     next(iter(sixth))
     with pytest.raises(InvalidArgumentError, match=r"dropping its iterator, as next\(iter\(stream\)\) does.*next\(stream\)"):
