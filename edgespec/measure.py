@@ -120,13 +120,17 @@ class SettingResult:
                 hist.extend([0] * (n + 1 - len(hist)))
                 hist[n] += k
         tokens_per_round = sum(s.round_tokens for s in self.stats) / rounds if rounds else float("nan")
-        # the theory column assumes gamma drafts every round: for adaptive gamma and for prompt lookup
-        # (which proposes only what it finds) the mean drafted per round stands in for it, and for a
-        # static gamma too where the loop drafted fewer (rounds capped by the tokens left to generate)
-        drafted_g = max(1, round(mean_gamma)) if rounds else 1
-        g = self.setting.gamma if self.setting.gamma is not None and self.setting.draft != "ngram" else drafted_g
-        if rounds:
-            g = min(g, drafted_g)
+        # The theory columns take each round with the gamma it drafted (gamma_hist): adaptive gamma
+        # and prompt lookup (which proposes what it finds) vary it, and a static gamma drafts fewer
+        # where the tokens left to generate cap a round. Expected tokens per round is the mean of
+        # Equation 1 over the rounds, and Theorem 3.8 their expected tokens over their expected cost,
+        # sum E(g) / sum (g c + 1): the mean gamma put into the formulas is not the same (E is concave).
+        counts = [0] * max((len(s.gamma_hist) for s in self.stats), default=0)
+        for s in self.stats:
+            for g, n in enumerate(s.gamma_hist):
+                counts[g] += n
+        if not any(counts):  # no drafted round: the setting's gamma (nothing was measured to weigh it)
+            counts = [0] * (self.setting.gamma or 1) + [1]
         a = alpha_test if self.setting.lenience < 1 else alpha
         ok = 0 <= a <= 1 and c == c
         # Theorem 3.8 assumes a verify call of g + 1 tokens costs one target step. V is what it
@@ -136,7 +140,11 @@ class SettingResult:
         plain_s, plain_n = self.plain_step
         v = (target_s / steps) / (plain_s / plain_n) if steps and target_s > 0 and plain_n and plain_s > 0 \
             else float("nan")
-        predicted = theory.speedup(a, g, c) if ok else float("nan")
+        if ok:
+            expected = sum(n * theory.expected_tokens(a, g) for g, n in enumerate(counts)) / sum(counts)
+            predicted = expected * sum(counts) / sum(n * (g * c + 1) for g, n in enumerate(counts))
+        else:
+            expected = predicted = float("nan")
         return {
             "setting": self.setting.label,
             "gamma": self.setting.gamma, "mean_gamma": mean_gamma,
@@ -146,7 +154,7 @@ class SettingResult:
             "alpha": alpha, "acceptance_rate": sum(s.accepted for s in self.stats) / beta_n if beta_n else float("nan"),
             "c": c,
             "tokens_per_round": tokens_per_round,
-            "expected_tokens_per_round": theory.expected_tokens(a, g) if ok else float("nan"),
+            "expected_tokens_per_round": expected,
             "keep_probability": alpha_test,
             "accepted_hist": hist,
             "plain_tokens_per_s": _med(self.plain_tps), "spec_tokens_per_s": _med(self.spec_tps),
