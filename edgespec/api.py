@@ -405,11 +405,12 @@ class Engine:
         elif n_prompt > limit:
             raise PromptTooLongError(
                 f"prompt has {n_prompt} tokens but the target has {limit} positions; shorten the prompt so that "
-                f"prompt tokens + max_new_tokens <= {limit + 1}", "prompt")
+                f"prompt tokens + max_new_tokens - 1 <= {limit} (the last new token is not fed back)", "prompt")
         elif n_prompt + max_new - 1 > limit:
             raise PromptTooLongError(
-                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) exceeds the target's {limit} positions; "
-                f"shorten the prompt or lower max_new_tokens to at most {max(limit - n_prompt + 1, 0)}"
+                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) needs {n_prompt + max_new - 1} of the target's "
+                f"{limit} positions (the last new token is not fed back); shorten the prompt or lower max_new_tokens "
+                f"to at most {max(limit - n_prompt + 1, 0)}"
             )
         if use_draft and n_prompt > prompt_limit(self.draft):
             raise PromptTooLongError(

@@ -281,8 +281,9 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
             raise PromptTooLongError(f"max_new_tokens ({config.max_new_tokens}) exceeds the decoder's {target.max_length} "
                                      f"positions; lower max_new_tokens to at most {max(room, 0)}", "max_new_tokens")
         raise PromptTooLongError(
-            f"prompt ({prompt.size} tokens) + max_new_tokens ({config.max_new_tokens}) exceeds the model's "
-            f"{target.max_length} positions; shorten the prompt or lower max_new_tokens to at most {max(room, 0)}")
+            f"prompt ({prompt.size} tokens) + max_new_tokens ({config.max_new_tokens}) needs "
+            f"{prompt.size + config.max_new_tokens - 1} of the model's {target.max_length} positions (the last new token "
+            f"is not fed back); shorten the prompt or lower max_new_tokens to at most {max(room, 0)}")
     stats.target_calls = 1
     first = sample_row(logits[0], config.sampling, rng.random(), np.empty(vocab), "target model")
     block, reason = commit([first], [TARGET])

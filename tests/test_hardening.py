@@ -66,11 +66,11 @@ def test_prompt_exactly_at_the_position_limit(engine, tiny_bundle, capsys):
     limit = engine.target.max_length                        # 128 for the tiny models
     out = engine.generate([4] * limit, max_new_tokens=1, temperature=0)  # fills every position: allowed
     assert len(out.ids) == 1
-    with pytest.raises(PromptTooLongError, match="at most 1"):
-        engine.generate([4] * limit, max_new_tokens=2)
+    with pytest.raises(PromptTooLongError, match=f"needs {limit + 1} of the target's {limit} positions .*at most 1"):
+        engine.generate([4] * limit, max_new_tokens=2)  # (the numbers say why 1 is the most: the last token is not fed)
     with pytest.raises(PromptTooLongError, match=f"at most {limit}; shorten it|{limit} positions"):
         engine.generate([4] * (limit + 1), max_new_tokens=1)
-    with pytest.raises(PromptTooLongError, match=f"shorten the prompt so that prompt tokens \\+ max_new_tokens <= {limit + 1}") as e:
+    with pytest.raises(PromptTooLongError, match=f"shorten the prompt so that prompt tokens \\+ max_new_tokens - 1 <= {limit}") as e:
         engine.generate([4] * (limit + 50), max_new_tokens=5)    # no room at all: no "max_new_tokens <= 0" advice
     assert "at most 0" not in str(e.value)
     b = tiny_bundle("gpt2")
