@@ -56,10 +56,11 @@ class ModelSize:
         for name in ("hidden", "layers", "heads", "intermediate"):
             _check_int(f"{role} {name}", getattr(self, name))
         if self.hidden % self.heads:
+            # head counts that divide hidden into an even head size (rotary embeddings, below)
+            fits = [h for h in range(1, self.hidden + 1) if self.hidden % h == 0 and (self.hidden // h) % 2 == 0][:12]
             raise InvalidArgumentError(
-                f"{role}: {self.heads} attention heads do not divide hidden size {self.hidden}; "
-                f"pick heads among {[h for h in range(1, self.hidden + 1) if self.hidden % h == 0 and (self.hidden // h) % 2 == 0][:12]}"
-            )
+                f"{role}: {self.heads} attention heads do not divide hidden size {self.hidden}; " +
+                (f"pick heads among {fits}" if fits else "pick an even hidden size (each head's size must be even)"))
         if (self.hidden // self.heads) % 2:
             raise InvalidArgumentError(
                 f"{role}: head size hidden/heads = {self.hidden // self.heads} is odd, but rotary embeddings need an even head size; "

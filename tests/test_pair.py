@@ -212,8 +212,10 @@ def test_bad_corpus(tmp_path):
 
 def test_bad_sizes():
     base = PRESETS["tiny"]
-    with pytest.raises(InvalidArgumentError, match="do not divide"):
+    with pytest.raises(InvalidArgumentError, match=r"do not divide hidden size 30; pick heads among \[1, 3, 5, 15\]"):
         PairPreset(**{**base.__dict__, "target": ModelSize(hidden=30, layers=1, heads=4, intermediate=64)})
+    with pytest.raises(InvalidArgumentError, match="hidden size 7; pick an even hidden size"):  # not "among []"
+        ModelSize(hidden=7, layers=1, heads=2, intermediate=8).validate("draft")
     with pytest.raises(InvalidArgumentError, match="even"):
         ModelSize(hidden=18, layers=1, heads=2, intermediate=8).validate("draft")
     with pytest.raises(InvalidArgumentError, match="vocab_size"):
