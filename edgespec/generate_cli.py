@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the text when generation ends with each token marked by where it came from: "
                              "accepted draft token [x], recovered after a rejection {x}, bonus <x> (on a terminal: "
                              "green, yellow, cyan instead, unless NO_COLOR is set); unmarked tokens are the target's "
-                             "alone (the first token, rounds with nothing to draft)")
+                             "alone (the first token, plain steps: where adaptive gamma found them faster than "
+                             "drafting, or there was nothing to draft)")
 
 
 def parse_gamma(value: str, flag: str = "--gamma") -> int | None:
