@@ -71,7 +71,7 @@ def _print_row(row: dict, auto_shown: bool = False) -> None:
     print(f"    tokens/s speculative           {_fmt(row['spec_tokens_per_s'], '.1f')}")
     # each repeat's ratio is taken within the repeat, so this is not the ratio of the two medians above
     ratios = ", ".join(f"{r:.2f}" for r in row.get("speedup_all") or [])
-    print(f"    speedup (median, same run)     {_fmt(row['speedup'], '.2f')}x   "
+    print(f"    speedup (each repeat, median)  {_fmt(row['speedup'], '.2f')}x   "
           f"Theorem 3.8 predicts {_fmt(row['predicted_speedup'], '.2f')}x"
           + (f"   (per repeat: {ratios})" if ratios else ""))
     print(f"    decode speedup (after 1st tok) {_fmt(row['decode_speedup'], '.2f')}x   "
