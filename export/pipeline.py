@@ -275,26 +275,28 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
         validation=record,
         kv_layout=layout,
     )
-    if not seq2seq:
-        progress(f"{role}: validating the runtime's own calls (its KV buffers, a rewind) vs PyTorch")
-        quantized = quant_label != "none"
-        stages, scale = _validate_runtime(model, folder, manifest, limit)
-        record = {**record, "runtime": validate.summarize(stages, opts.quantized_atol if quantized else opts.atol,
-                                                          f"{role} ({'int8, ' if quantized else ''}runtime)", scale,
-                                                          QUANTIZED_RTOL if quantized else None)}
-        manifest = dataclasses.replace(manifest, validation=record)
+    progress(f"{role}: validating the runtime's own calls (its KV buffers, a rewind) vs PyTorch")
+    quantized = quant_label != "none"
+    stages, scale = _validate_runtime(model, folder, manifest, limit, int(dec_start or 0) if seq2seq else None)
+    record = {**record, "runtime": validate.summarize(stages, opts.quantized_atol if quantized else opts.atol,
+                                                      f"{role} ({'int8, ' if quantized else ''}runtime)", scale,
+                                                      QUANTIZED_RTOL if quantized else None)}
+    manifest = dataclasses.replace(manifest, validation=record)
     diffs = ", ".join(f"{k} {v['max_abs_diff']:.2e}" for k, v in record.items())
     progress(f"{role}: done in {time.perf_counter() - t0:.1f}s (max abs diff vs PyTorch: {diffs})")
     return manifest, opset
 
 
-def _validate_runtime(model, folder: Path, manifest: ModelManifest, limit: int) -> tuple[dict, float]:
+def _validate_runtime(model, folder: Path, manifest: ModelManifest, limit: int,
+                      decoder_start: int | None) -> tuple[dict, float]:
     """validate.validate_runtime over the runtime's backend of the graphs just written."""
-    from edgespec.runtimes.onnx_backend import OnnxDecoderBackend, SessionConfig
+    from edgespec.runtimes.onnx_backend import OnnxDecoderBackend, OnnxSeq2SeqBackend, SessionConfig
 
-    backend = OnnxDecoderBackend(folder, manifest, SessionConfig(intra_op_threads=1, huge_pages=False))
+    cls = OnnxDecoderBackend if decoder_start is None else OnnxSeq2SeqBackend
+    backend = cls(folder, manifest, SessionConfig(intra_op_threads=1, huge_pages=False))
     try:
-        return validate.validate_runtime(model, backend, limit, max_positions=manifest.max_positions)
+        return validate.validate_runtime(model, backend, limit, max_positions=manifest.max_positions,
+                                         decoder_start=decoder_start)
     finally:
         backend.free()
 

@@ -152,22 +152,49 @@ def _decoder_reference(model, vocab_limit: int, total: int, seed: int):
         return ids, junk, model(input_ids=torch.from_numpy(ids), use_cache=True)
 
 
-def validate_runtime(model, backend, vocab_limit: int, seed: int = 0,
-                     max_positions: int | None = None) -> tuple[dict, float]:
-    """The calls of validate_decoder made through the runtime's backend over the written graphs
-    (a decoder-only ``Backend``: its IOBinding, its KV buffers, in place for static-KV graphs, and
-    ``rewind_to`` after the rejected round), so that the path generation runs is what is checked;
-    the raw-session validation above passes past and present as separate arrays. Logits only (the
-    cache is the backend's own)."""
-    total = validated_positions(max_positions)
-    ids, junk, ref = _decoder_reference(model, vocab_limit, total, seed)
+def _seq2seq_reference(model, vocab_limit: int, decoder_start: int, total: int, seed: int):
+    """The encoder input [1, P] and its mask, the decoder sequence [1, total] (the start token
+    first), the rejected round's junk [1, k], and PyTorch's one cache-free pass over them."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    src = rng.integers(0, vocab_limit, size=(1, PREFILL_TOKENS), dtype=np.int64)
+    mask = np.ones_like(src)
+    tgt = np.concatenate([[[decoder_start]], rng.integers(0, vocab_limit, size=(1, total - 1))], axis=1).astype(np.int64)
+    junk = rng.integers(0, vocab_limit, size=(1, MULTI_STEP_TOKENS), dtype=np.int64)
+    with torch.no_grad():
+        # The encoder is called explicitly: after optimum's export the encoder stack's config may
+        # carry use_cache=True, which T5Stack refuses for an encoder.
+        encoded = model.get_encoder()(input_ids=torch.from_numpy(src), attention_mask=torch.from_numpy(mask),
+                                      use_cache=False, return_dict=True)
+        ref = model(encoder_outputs=encoded, attention_mask=torch.from_numpy(mask),
+                    decoder_input_ids=torch.from_numpy(tgt), use_cache=True)
+    return src, mask, tgt, junk, ref
+
+
+def validate_runtime(model, backend, vocab_limit: int, seed: int = 0, max_positions: int | None = None,
+                     decoder_start: int | None = None) -> tuple[dict, float]:
+    """The calls of validate_decoder (validate_seq2seq with a ``decoder_start``) made through the
+    runtime's backend over the written graphs (its IOBinding, its KV buffers, in place for
+    static-KV graphs, and ``rewind_to`` after the rejected round), so that the path generation runs
+    is what is checked; the raw-session validation passes past and present as separate arrays.
+    Logits only (the cache is the backend's own)."""
+    if decoder_start is None:
+        total = validated_positions(max_positions)
+        ids, junk, ref = _decoder_reference(model, vocab_limit, total, seed)
+        plan, src = _plan(total), None
+    else:  # the prompt goes to the encoder; the backend's prefill returns the decoder start's logits
+        total = validated_positions(None)
+        src, _, ids, junk, ref = _seq2seq_reference(model, vocab_limit, decoder_start, total, seed)
+        plan = _plan(total, prefill=1)
     ref_logits = ref.logits.float().numpy()
     stages, start = {}, 0
-    for stage, k, rejected in _plan(total):
+    for stage, k, rejected in plan:
         end = start + k
         try:
             if stage == "prefill":
-                got, want = backend.prefill(ids[0, :end])[None, None], ref_logits[:, end - 1:end]
+                got = backend.prefill(ids[0, :end] if src is None else src[0])[None, None]
+                want = ref_logits[:, end - 1:end]
             else:
                 got, want = backend.extend(junk[0] if rejected else ids[0, start:end])[None], ref_logits[:, start:end]
         except EdgeSpecError as exc:
@@ -193,8 +220,6 @@ def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, dec
                      seed: int = 0) -> tuple[dict, float]:
     """As validate_decoder, for an encoder-decoder: the encoder, the first decoder step, then the
     decoder-with-past graph over LONG_TOKENS decoder tokens (with the rejected round)."""
-    import torch
-
     enc = _session(folder / contract.ENCODER_FILE)
     dec = _session(folder / contract.SEQ2SEQ_DECODER_FILE)
     dec_past = _session(folder / contract.SEQ2SEQ_DECODER_WITH_PAST_FILE)
@@ -203,19 +228,8 @@ def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, dec
     cross_past = contract.seq2seq_cross_past_names(num_layers)
     cross_present = contract.seq2seq_cross_present_names(num_layers)
 
-    rng = np.random.default_rng(seed)
-    src = rng.integers(0, vocab_limit, size=(1, PREFILL_TOKENS), dtype=np.int64)
-    mask = np.ones_like(src)
     total = validated_positions(None)
-    tgt = np.concatenate([[[decoder_start]], rng.integers(0, vocab_limit, size=(1, total - 1))], axis=1).astype(np.int64)
-    junk = rng.integers(0, vocab_limit, size=(1, MULTI_STEP_TOKENS), dtype=np.int64)
-    with torch.no_grad():
-        # The encoder is called explicitly: after optimum's export the encoder stack's config may
-        # carry use_cache=True, which T5Stack refuses for an encoder.
-        encoded = model.get_encoder()(input_ids=torch.from_numpy(src), attention_mask=torch.from_numpy(mask),
-                                      use_cache=False, return_dict=True)
-        ref = model(encoder_outputs=encoded, attention_mask=torch.from_numpy(mask),
-                    decoder_input_ids=torch.from_numpy(tgt), use_cache=True)
+    src, mask, tgt, junk, ref = _seq2seq_reference(model, vocab_limit, decoder_start, total, seed)
     ref_logits = ref.logits.float().numpy()
     cache = ref.past_key_values
     ref_self = [a for pair in _kv_pairs(cache.self_attention_cache) for a in pair]

@@ -328,17 +328,17 @@ def test_validation_over_tolerance_fails_and_leaves_nothing(tiny_checkpoints, tm
     assert _nothing_written(out)
 
 
-@pytest.mark.parametrize("graph", ["static", "optimum"])
-def test_the_runtimes_own_calls_are_validated(tiny_checkpoints, tmp_path, monkeypatch, graph):
+@pytest.mark.parametrize("arch,graph", [("llama", "static"), ("llama", "optimum"), ("t5", "auto")])
+def test_the_runtimes_own_calls_are_validated(tiny_checkpoints, tmp_path, monkeypatch, arch, graph):
     """Export also runs the written graphs through the runtime's backend (its IOBinding, its KV
     buffers, rewind_to) against PyTorch: a backend that forgets to rewind fails the export."""
-    from edgespec.runtimes.onnx_backend import OnnxDecoderBackend
+    from edgespec.runtimes import onnx_backend
 
-    target, _ = tiny_checkpoints("llama")
+    target, _ = tiny_checkpoints(arch)
     options = ExportOptions(graph=graph)
     ok = export_bundle(target, tmp_path / "ok", options=options, progress=None).models["target"].validation
     assert ok["runtime"]["max_abs_diff"] < 1e-4 and "after_rewind" in ok["runtime"]["stages"]
-    monkeypatch.setattr(OnnxDecoderBackend, "rewind_to", lambda self, n: None)
+    monkeypatch.setattr(onnx_backend._PositionCache, "rewind_to", lambda self, n: None)
     with pytest.raises(ValidationError, match=r"target \(runtime\): ONNX Runtime output after_rewind/logits differs"):
         export_bundle(target, tmp_path / "bad", options=options, progress=None)
     assert _nothing_written(tmp_path / "bad")
