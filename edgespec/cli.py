@@ -30,10 +30,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class _Parser(argparse.ArgumentParser):
+    argv: list[str] = []   # the command line being parsed (set by build_parser)
+
     def error(self, message: str):
         # argparse reads `--prompt -x` as a missing value followed by an option
         m = re.fullmatch(r"argument (--[\w-]+)(?:/[^:]*)?: expected one argument", message)
-        if m:
+        if m and any(a == m.group(1) and b.startswith("-") for a, b in zip(self.argv, self.argv[1:])):
             message += f" (a value that starts with '-' is written {m.group(1)}=VALUE)"
         super().error(message)
 
@@ -42,6 +44,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The top-level parser; ``parser.commands`` maps each command to its own parser."""
     from . import __version__
 
+    _Parser.argv = list(argv)
     parser = _Parser(prog="edgespec", description="Exact speculative decoding for edge and accelerator hardware.")
     parser.add_argument("--version", action="version", version=f"edgespec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

@@ -27,8 +27,8 @@ from typing import Callable
 
 from edgespec import contract
 from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
-from edgespec.errors import (CheckpointError, DiskFullError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError,
-                             UnsupportedArchitectureError)
+from edgespec.errors import (CheckpointError, DiskFullError, EdgeSpecError, EdgeSpecWarning, InvalidArgumentError,
+                             OutputExistsError, UnsupportedArchitectureError, ValidationError)
 from edgespec.outputs import (BUNDLE_FILES, check_output_folder, check_writable, foreign_names, swap_into_place,
                               usual_permissions)
 
@@ -293,7 +293,11 @@ def _validate_runtime(model, folder: Path, manifest: ModelManifest, limit: int,
     from edgespec.runtimes.onnx_backend import OnnxDecoderBackend, OnnxSeq2SeqBackend, SessionConfig
 
     cls = OnnxDecoderBackend if decoder_start is None else OnnxSeq2SeqBackend
-    backend = cls(folder, manifest, SessionConfig(intra_op_threads=1, huge_pages=False))
+    try:
+        backend = cls(folder, manifest, SessionConfig(intra_op_threads=1, huge_pages=False))
+    except EdgeSpecError as exc:  # (its messages speak to a bundle's user: "re-export the bundle")
+        raise ValidationError(f"the runtime could not load the exported graphs: {exc}; no bundle was written. "
+                              "Report the model config") from exc
     try:
         return validate.validate_runtime(model, backend, limit, max_positions=manifest.max_positions,
                                          decoder_start=decoder_start)

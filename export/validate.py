@@ -184,7 +184,7 @@ def validate_runtime(model, backend, vocab_limit: int, seed: int = 0, max_positi
         ids, junk, ref = _decoder_reference(model, vocab_limit, total, seed)
         plan, src = _plan(total), None
     else:  # the prompt goes to the encoder; the backend's prefill returns the decoder start's logits
-        total = validated_positions(None)
+        total = validated_positions(max_positions)  # (the backend's buffers hold max_positions decoder tokens)
         src, _, ids, junk, ref = _seq2seq_reference(model, vocab_limit, decoder_start, total, seed)
         plan = _plan(total, prefill=1)
     ref_logits = ref.logits.float().numpy()

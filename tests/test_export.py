@@ -344,6 +344,18 @@ def test_the_runtimes_own_calls_are_validated(tiny_checkpoints, tmp_path, monkey
     assert _nothing_written(tmp_path / "bad")
 
 
+def test_t5_with_fewer_decoder_positions_than_the_validation_walk(tiny_checkpoints, tmp_path):
+    """The runtime's T5 buffers hold max_positions decoder tokens: a T5 with 32 (n_positions) is
+    validated over 32, not refused for the 64 that validation walks otherwise (a reviewer's find)."""
+    target, _ = tiny_checkpoints("t5")
+    short = tmp_path / "t5-32"
+    shutil.copytree(target, short)
+    cfg = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**cfg, "n_positions": 32}))
+    m = export_bundle(short, tmp_path / "o", progress=None).models["target"]
+    assert m.max_positions == 32 and m.validation["runtime"]["max_abs_diff"] < 1e-4
+
+
 def test_fp16_is_a_clear_error(tiny_checkpoints, tmp_path, capsys):
     target, _ = tiny_checkpoints("gpt2")
     _cli_fails(["export", "--model", str(target), "--out", str(tmp_path / "o"), "--dtype", "fp16", "--quantize", "int8"],

@@ -186,6 +186,10 @@ def test_cli_sigterm_oserror_and_unknown_flags(monkeypatch, capsys):
         main(["generate", "bundle", "--prompt", "-x"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and "argument --prompt: expected one argument" in err and "--prompt=VALUE" in err
+    with pytest.raises(SystemExit) as info:   # a value left out: no such hint
+        main(["generate", "bundle", "--prompt"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "argument --prompt: expected one argument" in err and "=VALUE" not in err
 
 
 def test_show_drafts_marks_whitespace_tokens_visibly():
