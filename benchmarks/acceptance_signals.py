@@ -21,6 +21,7 @@ import numpy as np
 
 from edgespec.api import load
 from edgespec.cli import at_least
+from edgespec.outputs import check_report_folder
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.config import SamplingConfig
 from edgespec.report import machine_description, write_json
@@ -64,10 +65,12 @@ def main(argv=None) -> int:
     ap.add_argument("bundle", type=Path)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--new-tokens", type=int, default=200)
+    ap.add_argument("--new-tokens", type=at_least(2), default=200, help="tokens sampled per prompt (default 200)")
     ap.add_argument("--draws", type=at_least(1), default=4, help="draws of x ~ q per position")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=at_least(0), default=0)
     args = ap.parse_args(argv)
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
     if args.temperature <= 0:
         ap.error("--temperature must be > 0 (at 0 use benchmarks/adaptive_bound.py, which is exact)")
 

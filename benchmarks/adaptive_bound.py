@@ -41,6 +41,8 @@ import numpy as np
 from edgespec import adaptive
 from edgespec.adaptive import AdaptiveGamma
 from edgespec.api import load
+from edgespec.cli import at_least
+from edgespec.outputs import check_report_folder
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.report import machine_description, write_json
 
@@ -282,13 +284,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle", type=Path)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--new-tokens", type=int, default=200)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--max-gamma", type=int, default=8)
-    ap.add_argument("--calibration", type=int, default=0,
+    ap.add_argument("--new-tokens", type=at_least(2), default=200, help="greedy tokens traced per prompt (default 200)")
+    ap.add_argument("--threads", type=at_least(0), default=1, help="target intra-op threads (default 1)")
+    ap.add_argument("--max-gamma", type=at_least(1), default=8,
+                    help="the adaptive rows' bound (default 8; the static rows run gamma 1-10)")
+    ap.add_argument("--calibration", type=at_least(0), default=0,
                     help="also fit richer keep predictors on the target's continuations of this many held-out "
                          "corpus prefixes and replay them on the prompts (0: skip)")
     args = ap.parse_args(argv)
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
 
     eng = load(args.bundle, threads=args.threads, spinning=False)
     vocab = eng.vocab_size
@@ -346,7 +351,8 @@ def main(argv=None) -> int:
              "| policy | modelled tok/s | vs plain | vs best static gamma |", "|---|---|---|---|"]
     lines += [f"| {name} | {v:.0f} | {v / plain:.2f}x | {v / static[best_g]:.3f} |" for name, v in rows]
     lines += ["", "keep rate by draft-confidence bin: " + ", ".join(
-        f"[{b / BINS:.1f},{(b + 1) / BINS:.1f}) {keep[b]:.2f} (n={int((bins == b).sum())})" for b in range(BINS))]
+        f"[{b / BINS:.1f},{(b + 1) / BINS:.1f}) " + (f"{keep[b]:.2f}" if (bins == b).any() else "n/a")  # (keep: prior)
+        + f" (n={int((bins == b).sum())})" for b in range(BINS))]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "adaptive_bound.md").write_text("\n".join(lines) + "\n")
     write_json(args.out / "adaptive_bound.json", {

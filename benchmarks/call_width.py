@@ -99,6 +99,7 @@ def greedy_identity(engine, prompt: str, max_new_tokens: int, gammas) -> list[di
 def main(argv=None) -> int:
     import edgespec
     from edgespec.cli import at_least
+    from edgespec.outputs import check_report_folder
     from edgespec.prompts import CODE_PROMPTS
     from edgespec.report import machine_description, write_json
 
@@ -108,6 +109,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=at_least(2), default=96)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
     engine = edgespec.load(args.bundle, threads=1)
     if engine.draft is None:
         raise SystemExit(f"call_width.py: {args.bundle} has no draft model; greedy identity needs one")

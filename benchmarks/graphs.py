@@ -20,6 +20,7 @@ import numpy as np
 from edgespec import contract
 from edgespec.bundle import load_bundle
 from edgespec.cli import at_least
+from edgespec.outputs import check_report_folder
 from edgespec.errors import InvalidArgumentError
 from edgespec.report import machine_description, write_json
 from edgespec.runtimes.onnx_backend import SessionConfig, open_backend
@@ -35,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=at_least(1), default=60)
     ap.add_argument("--threads", type=at_least(0), default=1)
     args = ap.parse_args(argv)
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
     import onnx
 
     bundles = {"static": args.static, "concat": args.concat}

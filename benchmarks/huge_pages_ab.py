@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import edgespec  # noqa: E402
 from edgespec.cli import at_least  # noqa: E402
+from edgespec.outputs import check_report_folder  # noqa: E402
 from edgespec.prompts import CODE_PROMPTS  # noqa: E402
 from edgespec.report import machine_description, write_json  # noqa: E402
 
@@ -32,6 +33,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=at_least(1), default=6)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
     engines = {"off": edgespec.load(args.bundle, threads=1, draft_threads=1, huge_pages=False)}
     from edgespec.runtimes import huge_pages
     before = huge_pages.anonymous_ranges()

@@ -73,6 +73,7 @@ def measure(path: Path, rows: int, calls: int) -> dict:
 
 def main(argv=None) -> int:
     from edgespec.cli import at_least
+    from edgespec.outputs import check_report_folder
     from edgespec.export.quantize import quantize_int8, quantize_int8_blockwise, quantize_int8_rowwise
     from edgespec.report import machine_description, write_json
 
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=at_least(1), default=40, help="timed calls per width (median; after 5 warm-up calls)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
     if args.rows < 2 or args.calls < 1:
         raise InvalidArgumentError("--rows must be >= 2 and --calls >= 1")
     results = {}

@@ -64,6 +64,7 @@ def replay_online(rows: list[tuple], max_ngram: int, per_round: int = 5) -> floa
 def main(argv=None) -> int:
     import edgespec
     from edgespec.cli import at_least
+    from edgespec.outputs import check_report_folder
     from edgespec.drafters import _BINS, sureness_bin
     from edgespec.errors import InvalidArgumentError
     from edgespec.prompts import CODE_PROMPTS
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=at_least(1), default=200)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
     engine = edgespec.load(args.bundle, threads=1)
     if engine.draft is None:
         raise InvalidArgumentError(f"{args.bundle} has no draft model; pass a bundle exported with --draft")

@@ -36,6 +36,8 @@ from edgespec.bench import open_bundle  # noqa: E402
 from edgespec.config import SamplingConfig  # noqa: E402
 from edgespec.errors import InvalidArgumentError  # noqa: E402
 from edgespec.measure import ReadCounter, Setting, run_setting  # noqa: E402
+from edgespec.outputs import check_report_folder  # noqa: E402
+from edgespec.pair import refuse_bundle_as_pair  # noqa: E402
 from edgespec.prompts import CODE_PROMPTS  # noqa: E402
 from edgespec.report import machine_description, write_json  # noqa: E402
 from edgespec.sampling import process_logits  # noqa: E402
@@ -99,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-count-drafts", action="store_true")
     args = ap.parse_args(argv)
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
     try:
         gammas = sorted({int(g) for g in args.gammas.split(",") if g.strip()})
     except ValueError:
@@ -114,6 +118,7 @@ def main(argv=None) -> int:
                                        f"the bundle folder PAIR/bundles/NAME); got {spec!r}")
         drafts[name] = Path(path)
     # every folder is checked before the first export: a missing one must not cost the others' exports
+    refuse_bundle_as_pair(args.pair)
     if not (args.pair / "target" / "config.json").is_file():
         raise InvalidArgumentError(f"--pair {str(args.pair)!r} holds no target model (target/config.json); pass the "
                                    "folder `edgespec train-pair --print-path` prints")

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 from edgespec.cli import at_least
+from edgespec.outputs import check_report_folder
+from edgespec.pair import refuse_bundle_as_pair
 from edgespec.errors import InvalidArgumentError
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.report import machine_description, write_json
@@ -181,12 +183,14 @@ def main() -> int:
     ap.add_argument("--gamma", type=at_least(1), default=4)
     ap.add_argument("--repeats", type=at_least(1), default=3)
     ap.add_argument("--max-new-tokens", type=at_least(1), default=64)
-    ap.add_argument("--threads", type=at_least(0), default=1, help="target intra-op threads, every system (default 1)")
+    ap.add_argument("--threads", type=at_least(1), default=1, help="target intra-op threads, every system (default 1)")
     ap.add_argument("--draft-threads", type=at_least(0), default=1, help="draft intra-op threads, edgespec and genai (default 1)")
     ap.add_argument("--spin", choices=("on", "off"), default="on",
                     help="edgespec's ORT spin-waiting (default on, ORT's default, which genai keeps)")
     ap.add_argument("--hf-serve", action="store_true", help=argparse.SUPPRESS)  # the transformers child
     args = ap.parse_args()
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
     if args.hf_serve:
         return _hf_serve(args)
     import edgespec
@@ -196,6 +200,7 @@ def main() -> int:
     # after the other systems had run)
     import importlib.util
 
+    refuse_bundle_as_pair(args.pair)
     checked = (("--pair's target", args.pair / "target"),
                ("--draft-dir" if args.draft_dir else "--pair's draft", args.draft_dir or args.pair / "draft"))
     for what, folder in checked if importlib.util.find_spec("transformers") else ():

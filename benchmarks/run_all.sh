@@ -10,6 +10,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-bench}
+case "$preset" in
+  bench|quick) ;;
+  *) echo "usage: bash benchmarks/run_all.sh [bench|quick]   (the pair preset; default bench)" >&2; exit 2 ;;
+esac
 out=benchmarks/results/$preset
 mkdir -p "$out"
 pair=$(edgespec train-pair --preset "$preset" --print-path)

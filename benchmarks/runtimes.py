@@ -18,6 +18,7 @@ import numpy as np
 
 import edgespec
 from edgespec.cli import at_least
+from edgespec.outputs import check_report_folder
 from edgespec.prompts import CODE_PROMPTS
 from edgespec.report import machine_description, write_json
 
@@ -30,6 +31,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=at_least(1), default=64)
     ap.add_argument("--repeats", type=at_least(1), default=3)
     args = ap.parse_args()
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
     engines = {"onnx": edgespec.load(args.bundle, threads=1, spinning=False),
                "xla": edgespec.load(args.bundle, runtime="xla")}
     prompts = [engines["onnx"].encode(p) for p in CODE_PROMPTS[:4]]

@@ -45,6 +45,7 @@ def main(argv=None) -> int:
     import onnxruntime as ort
 
     from edgespec.cli import at_least
+    from edgespec.outputs import check_report_folder
     from edgespec.report import machine_description, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -53,6 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=at_least(1), default=30, help="timed calls per width (median, after 3 warm-up calls)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.out is not None:  # before the measurement, not after it
+        check_report_folder(args.out)
     try:
         widths = sorted({int(w) for w in args.widths.split(",")})
     except ValueError:

@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from .api import default_target_threads, gamma_bound, warn_if_no_spare_core
     from .config import DRAFTERS
     from .generate_cli import refuse_ort_flags
-    from .outputs import check_writable
+    from .outputs import check_report_folder
 
     grid = build_grid(parse_list(args.gammas, _gamma, "gammas"), parse_list(args.temperatures, float, "temperatures"),
                       args.top_k, args.top_p, parse_list(args.lenience, float, "lenience"),
@@ -171,9 +171,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--draft ngram uses no draft model: --draft-threads has no effect; drop it")
     draft_threads = 1 if args.draft_threads is None else args.draft_threads
     if args.out is not None:   # before the measurement, not after it
-        if args.out.exists() and not args.out.is_dir():
-            raise InvalidArgumentError(f"--out {str(args.out)!r} is a file; give a folder for bench.json")
-        check_writable(args.out / "bench.json")
+        check_report_folder(args.out)
     lookahead = any(s.draft == "lookahead" for s in grid)
     threads = default_target_threads(lookahead) if args.threads is None else args.threads
     threads = 0 if args.runtime == "xla" else threads  # ONNX Runtime's setting (--threads is refused with xla)

@@ -112,7 +112,8 @@ def check_hf_folder(folder: Path, role: str = "target") -> str | None:
     """Typed errors for a folder that cannot be loaded safely as an HF checkpoint; its model_type."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise CheckpointError(f"{role} folder {folder} does not exist; pass a Hugging Face checkpoint folder")
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise CheckpointError(f"{role} folder {folder} {what}; pass a Hugging Face checkpoint folder")
     if not (folder / "config.json").is_file():
         raise CheckpointError(f"{role} folder {folder} has no config.json; pass a Hugging Face checkpoint folder")
     has_st = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()

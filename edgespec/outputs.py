@@ -142,6 +142,14 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
     shutil.rmtree(old, ignore_errors=True)
 
 
+def check_report_folder(out: Path, flag: str = "--out") -> None:
+    """Before a measurement: ``out`` (a folder that reports are written into, made if missing) is no
+    file and can be written (a run that measured for minutes, then failed to write, lost it all)."""
+    if out.exists() and not out.is_dir():
+        raise OutputPathError(f"{flag} {str(out)!r} is a file; give a folder for the results")
+    check_writable(out / "results.json", flag)
+
+
 def check_writable(dest: Path, flag: str = "--out", fix: str = "choose another path") -> None:
     """A folder can be made in the nearest existing folder above ``dest`` (tried, before any work:
     permission bits do not tell about read-only or virtual file systems, nor about root)."""

@@ -165,6 +165,16 @@ def get_preset(preset: str | PairPreset) -> PairPreset:
 
 # ----------------------------------------------------------------------------- folders
 
+def refuse_bundle_as_pair(folder: Path, flag: str = "--pair") -> None:
+    """A script that takes a trained pair (its target/ and draft/ checkpoints) was given an exported
+    bundle, whose target/ also holds a config.json: say so, before anything is exported from it."""
+    if (Path(folder) / "edgespec.json").is_file():
+        hint = (f" (this bundle's pair is {str(Path(folder).parent)!r})"
+                if (Path(folder).parent / "pair.json").is_file() else "")
+        raise InvalidArgumentError(f"{flag} {str(folder)!r} is an exported bundle, not a trained pair; pass the pair's "
+                                   f"folder, which holds target/ and draft/ checkpoints{hint}")
+
+
 def cache_root() -> Path:
     """``$EDGESPEC_CACHE``, else ``$XDG_CACHE_HOME/edgespec``, else ``~/.cache/edgespec``."""
     if os.environ.get("EDGESPEC_CACHE"):

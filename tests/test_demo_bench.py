@@ -486,6 +486,44 @@ def test_bench_checks_out_first_and_iqr_stays_in_the_data(tiny_bundle, tmp_path,
         assert f"{extra[0]}: must be >= 1, got 0" in err and "[bench]" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("name,args", [
+    ("acceptance_signals", ["B"]), ("adaptive_bound", ["B"]), ("call_width", ["B"]), ("lookup_agreement", ["B"]),
+    ("verify_width", []), ("int8_rows", []), ("graphs", ["--static", "B", "--concat", "B"]),
+    ("paper_tables", ["--pair", "B"]), ("huge_pages_ab", ["B"]), ("runtimes", ["--bundle", "B"]),
+    ("peers", ["--pair", "B"])])
+def test_benchmark_scripts_refuse_a_file_as_out_before_measuring(name, args, tmp_path, monkeypatch):
+    """A file given as --out was found only when the results were written, after the measurement
+    (a traceback, the run lost; a trial's find): each script refuses it first, with a typed error."""
+    import sys
+
+    from edgespec.errors import OutputPathError
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    argv = [str(tmp_path / "missing") if a == "B" else a for a in args] + ["--out", str(afile)]
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])   # (some scripts parse sys.argv)
+    main_ = _script(name).main
+    with pytest.raises(OutputPathError, match="is a file; give a folder"):
+        main_(argv) if "argv" in main_.__code__.co_varnames[:main_.__code__.co_argcount] else main_()
+
+
+def test_pair_scripts_refuse_a_bundle_as_the_pair(tmp_path, monkeypatch):
+    """paper_tables.py and peers.py take a trained pair; a bundle (whose target/ has a config.json
+    too) went on to an export that failed on missing safetensors (a trial's find)."""
+    import sys
+
+    pair = tmp_path / "pair"
+    (pair / "bundle" / "target").mkdir(parents=True)
+    (pair / "pair.json").write_text("{}")
+    (pair / "bundle" / "edgespec.json").write_text("{}")
+    (pair / "bundle" / "target" / "config.json").write_text("{}")
+    argv = ["--pair", str(pair / "bundle"), "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", ["peers.py", *argv])
+    for run in (lambda: _script("paper_tables").main(argv), lambda: _script("peers").main()):
+        with pytest.raises(InvalidArgumentError, match=f"is an exported bundle, not a trained pair.*pair is '{pair}'"):
+            run()
+
+
 def test_int8_rows_script_shows_which_scheme_is_causal(tmp_path, monkeypatch):
     """benchmarks/int8_rows.py on small weights: the target schemes' row 0 ignores a change in a
     later row (rowwise: and equals a 1-row call's), the dynamic (draft) scheme's does not."""

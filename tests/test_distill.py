@@ -175,6 +175,9 @@ def test_bad_targets(target, corpus, tmp_path):
     kw = dict(corpus=corpus, steps=1, progress=False)
     with pytest.raises(CheckpointError, match="does not exist"):
         distill(tmp_path / "missing", tmp_path / "o", **kw)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(CheckpointError, match="afile is a file, not a folder"):  # not "does not exist"
+        distill(tmp_path / "afile", tmp_path / "o", **kw)
     no_tok = tmp_path / "no_tok"
     shutil.copytree(target, no_tok)
     (no_tok / "tokenizer.json").unlink()
