@@ -557,23 +557,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=None)
     parser.add_argument("--corpus", nargs="+", metavar="FILE", type=Path, default=None,
                         help="text files or folders (default: this Python's standard library sources)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--steps", type=at_least(1), default=300, help="training steps (default 300)")
+    parser.add_argument("--batch-size", type=at_least(1), default=16, help="windows per step (default 16)")
     parser.add_argument("--context", type=int, default=None, help="window length (default: min(256, target positions))")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 0.003)")
     parser.add_argument("--mode", choices=MODES, default="mix",
                         help="loss: tv = total variation (1 - beta), kl = forward KL(p||q), mix = both (default)")
     parser.add_argument("--generated", type=float, default=0.0,
                         help="fraction of each batch taken from the target's own continuations of corpus prefixes, "
                              "half greedy, half sampled (on-policy distillation; default 0)")
-    parser.add_argument("--pool-size", type=int, default=None,
+    parser.add_argument("--pool-size", type=at_least(1), default=None,
                         help="how many target continuations --generated draws from (default 512)")
     parser.add_argument("--init", type=Path, default=None,
                         help="start from this draft checkpoint instead of random weights (its shape; --layers N "
                              "appends layers that start as the identity, so the draft starts where the checkpoint is)")
     parser.add_argument("--baseline", action="store_true",
                         help="also train a same-size draft on the corpus alone (same budget) and compare")
-    parser.add_argument("--eval-windows", type=int, default=64)
+    parser.add_argument("--eval-windows", type=at_least(1), default=64,
+                        help="held-out windows alpha and the validation loss are measured on (default 64)")
     parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier distilled draft at --out (only one that holds nothing else)")
