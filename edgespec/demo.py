@@ -29,10 +29,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per round, or 'auto' (adaptive, the default of `edgespec generate` and the API); "
                         "a comma list measures each side by side, and the streamed generation uses the first "
                         "(default 4,auto)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=96)
+    p.add_argument("--max-new-tokens", type=at_least(1), default=96, help="tokens per prompt (default 96)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="measured repeats after one warm-up (default 3)")
     p.add_argument("--threads", type=at_least(0), default=1, help="ORT intra-op threads per model (default 1)")
-    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--seed", type=at_least(0), default=0,
+                   help="seed of the pair's training and of the sampled runs (default 0)")
 
 
 def ensure_bundle(pair_dir: Path, log) -> Path:
