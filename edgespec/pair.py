@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from . import contract
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, bar_options, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
 from .cli import at_least
@@ -168,7 +169,7 @@ def get_preset(preset: str | PairPreset) -> PairPreset:
 def refuse_bundle_as_pair(folder: Path, flag: str = "--pair") -> None:
     """A script that takes a trained pair (its target/ and draft/ checkpoints) was given an exported
     bundle, whose target/ also holds a config.json: say so, before anything is exported from it."""
-    if (Path(folder) / "edgespec.json").is_file():
+    if (Path(folder) / contract.MANIFEST_NAME).is_file():
         hint = (f" (this bundle's pair is {str(Path(folder).parent)!r})"
                 if (Path(folder).parent / "pair.json").is_file() else "")
         raise InvalidArgumentError(f"{flag} {str(folder)!r} is an exported bundle, not a trained pair; pass the pair's "
