@@ -1,6 +1,7 @@
 """Session-scoped tiny checkpoints and bundles (exported once per test session)."""
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -8,6 +9,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# `pytest -n 2` (the README's command) runs two workers on CI's 2 cores. Each gave torch's OpenMP
+# pool a thread per core, and the four spinning threads slowed the training tests down up to 7x
+# (test_pair's resume test: 35 s against 5 s). One torch thread per worker; set before torch loads.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
