@@ -395,9 +395,10 @@ class Engine:
         seq2seq = self.manifest.target.kind == contract.KIND_SEQ2SEQ
         limit = self.target.max_length
         if seq2seq:  # the prompt goes to the encoder; the decoder's positions hold the start token + new tokens
-            if n_prompt > prompt_limit(self.target):
-                raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most "
-                                         f"{prompt_limit(self.target)}; shorten it", "prompt")
+            encoder = prompt_limit(self.target)
+            if n_prompt > encoder:
+                raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most {encoder}; shorten it",
+                                         "prompt")
             if max_new > limit:
                 raise PromptTooLongError(f"max_new_tokens ({max_new}) exceeds the decoder's {limit} positions (the prompt "
                                          f"does not count: it goes to the encoder); lower max_new_tokens to at most {limit}",

@@ -30,7 +30,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    argv: list[str] = []   # the command line being parsed (set by build_parser)
+    def __init__(self, *args, argv: list[str], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.argv = argv   # the command line being parsed
 
     def error(self, message: str):
         # argparse reads `--prompt -x` as a missing value followed by an option
@@ -44,14 +46,14 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The top-level parser; ``parser.commands`` maps each command to its own parser."""
     from . import __version__
 
-    _Parser.argv = list(argv)
-    parser = _Parser(prog="edgespec", description="Exact speculative decoding for edge and accelerator hardware.")
+    parser = _Parser(prog="edgespec", description="Exact speculative decoding for edge and accelerator hardware.",
+                     argv=argv)
     parser.add_argument("--version", action="version", version=f"edgespec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     parser.commands = {}
     for name, (module, help_text) in COMMANDS.items():
-        p = parser.commands[name] = sub.add_parser(name, help=help_text, description=help_text)
+        p = parser.commands[name] = sub.add_parser(name, help=help_text, description=help_text, argv=argv)
         if name == wanted:  # import only the module of the command being run
             importlib.import_module(module).add_arguments(p)
     return parser

@@ -207,12 +207,14 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     dec_start = ckpt.config.get("decoder_start_token_id")
     limit = tokenizer_size(vocab)
 
+    refs: dict = {}  # PyTorch's reference passes, computed once for every validation of this model
+
     def run_validation(what: str, atol: float, rtol: float | None = None) -> dict:
         if seq2seq:
-            stages, scale = validate.validate_seq2seq(model, folder, num_layers, limit, int(dec_start or 0))
+            stages, scale = validate.validate_seq2seq(model, folder, num_layers, limit, int(dec_start or 0), refs=refs)
         else:
             stages, scale = validate.validate_decoder(model, folder, num_layers, limit, static=layout == contract.KV_STATIC,
-                                                      max_positions=_max_positions(ckpt))
+                                                      max_positions=_max_positions(ckpt), refs=refs)
         return validate.summarize(stages, atol, what, scale, rtol)
 
     switch = _rope_switch(ckpt.config)
@@ -277,7 +279,7 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     )
     progress(f"{role}: validating the runtime's own calls (its KV buffers, a rewind) vs PyTorch")
     quantized = quant_label != "none"
-    stages, scale = _validate_runtime(model, folder, manifest, limit, int(dec_start or 0) if seq2seq else None)
+    stages, scale = _validate_runtime(model, folder, manifest, limit, int(dec_start or 0) if seq2seq else None, refs)
     record = {**record, "runtime": validate.summarize(stages, opts.quantized_atol if quantized else opts.atol,
                                                       f"{role} ({'int8, ' if quantized else ''}runtime)", scale,
                                                       QUANTIZED_RTOL if quantized else None)}
@@ -288,7 +290,7 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
 
 
 def _validate_runtime(model, folder: Path, manifest: ModelManifest, limit: int,
-                      decoder_start: int | None) -> tuple[dict, float]:
+                      decoder_start: int | None, refs: dict) -> tuple[dict, float]:
     """validate.validate_runtime over the runtime's backend of the graphs just written."""
     from edgespec.runtimes.onnx_backend import OnnxDecoderBackend, OnnxSeq2SeqBackend, SessionConfig
 
@@ -300,7 +302,7 @@ def _validate_runtime(model, folder: Path, manifest: ModelManifest, limit: int,
                               "Report the model config") from exc
     try:
         return validate.validate_runtime(model, backend, limit, max_positions=manifest.max_positions,
-                                         decoder_start=decoder_start)
+                                         decoder_start=decoder_start, refs=refs)
     finally:
         backend.free()
 

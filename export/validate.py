@@ -95,10 +95,13 @@ def logits_range(ref_logits: np.ndarray) -> float:
 
 
 def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, seed: int = 0,
-                     static: bool = False, max_positions: int | None = None) -> tuple[dict, float]:
+                     static: bool = False, max_positions: int | None = None,
+                     refs: dict | None = None) -> tuple[dict, float]:
     """``static``: a static-KV graph (past and present are buffers of a fixed capacity; here the
     validated length, present[:, :, :end] is compared), else a concat graph (past starts empty).
-    Returns the stages' differences and the reference's logits_range."""
+    ``refs``: a dict that keeps PyTorch's reference passes for the other validations of the same
+    model (int8 graphs, the runtime's calls). Returns the stages' differences and the reference's
+    logits_range."""
     sess = _session(folder / contract.DECODER_FILE)
     in_names = {i.name for i in sess.get_inputs()}
     past_names = contract.decoder_past_names(num_layers)
@@ -108,7 +111,7 @@ def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, see
     ftype = _float_type(sess, past_names[0])
 
     total = validated_positions(max_positions)
-    ids, junk, ref = _decoder_reference(model, vocab_limit, total, seed)
+    ids, junk, ref = _decoder_reference(model, vocab_limit, total, seed, refs)
     ref_logits = ref.logits.float().numpy()
     ref_kv = [a for pair in _kv_pairs(ref.past_key_values) for a in pair]
 
@@ -140,21 +143,31 @@ def validate_decoder(model, folder: Path, num_layers: int, vocab_limit: int, see
     return stages, logits_range(ref_logits)
 
 
-def _decoder_reference(model, vocab_limit: int, total: int, seed: int):
+def _decoder_reference(model, vocab_limit: int, total: int, seed: int, refs: dict | None = None):
     """The validated sequence ids [1, total], the junk of the rejected round [1, k], and PyTorch's
-    one cache-free forward over the sequence."""
+    one cache-free forward over the sequence (kept in ``refs`` for the model's other validations)."""
+    key = ("decoder", vocab_limit, total, seed)
+    if refs is not None and key in refs:
+        return refs[key]
     import torch
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab_limit, size=(1, total), dtype=np.int64)
     junk = rng.integers(0, vocab_limit, size=(1, MULTI_STEP_TOKENS), dtype=np.int64)
     with torch.no_grad():
-        return ids, junk, model(input_ids=torch.from_numpy(ids), use_cache=True)
+        out = ids, junk, model(input_ids=torch.from_numpy(ids), use_cache=True)
+    if refs is not None:
+        refs[key] = out
+    return out
 
 
-def _seq2seq_reference(model, vocab_limit: int, decoder_start: int, total: int, seed: int):
+def _seq2seq_reference(model, vocab_limit: int, decoder_start: int, total: int, seed: int, refs: dict | None = None):
     """The encoder input [1, P] and its mask, the decoder sequence [1, total] (the start token
-    first), the rejected round's junk [1, k], and PyTorch's one cache-free pass over them."""
+    first), the rejected round's junk [1, k], and PyTorch's one cache-free pass over them (kept in
+    ``refs`` as _decoder_reference's)."""
+    key = ("seq2seq", vocab_limit, decoder_start, total, seed)
+    if refs is not None and key in refs:
+        return refs[key]
     import torch
 
     rng = np.random.default_rng(seed)
@@ -169,23 +182,24 @@ def _seq2seq_reference(model, vocab_limit: int, decoder_start: int, total: int, 
                                       use_cache=False, return_dict=True)
         ref = model(encoder_outputs=encoded, attention_mask=torch.from_numpy(mask),
                     decoder_input_ids=torch.from_numpy(tgt), use_cache=True)
+    if refs is not None:
+        refs[key] = src, mask, tgt, junk, ref
     return src, mask, tgt, junk, ref
 
 
 def validate_runtime(model, backend, vocab_limit: int, seed: int = 0, max_positions: int | None = None,
-                     decoder_start: int | None = None) -> tuple[dict, float]:
+                     decoder_start: int | None = None, refs: dict | None = None) -> tuple[dict, float]:
     """The calls of validate_decoder (validate_seq2seq with a ``decoder_start``) made through the
     runtime's backend over the written graphs (its IOBinding, its KV buffers, in place for
     static-KV graphs, and ``rewind_to`` after the rejected round), so that the path generation runs
     is what is checked; the raw-session validation passes past and present as separate arrays.
     Logits only (the cache is the backend's own)."""
+    total = validated_positions(max_positions)  # (the backend's buffers hold max_positions tokens, T5's too)
     if decoder_start is None:
-        total = validated_positions(max_positions)
-        ids, junk, ref = _decoder_reference(model, vocab_limit, total, seed)
+        ids, junk, ref = _decoder_reference(model, vocab_limit, total, seed, refs)
         plan, src = _plan(total), None
     else:  # the prompt goes to the encoder; the backend's prefill returns the decoder start's logits
-        total = validated_positions(max_positions)  # (the backend's buffers hold max_positions decoder tokens)
-        src, _, ids, junk, ref = _seq2seq_reference(model, vocab_limit, decoder_start, total, seed)
+        src, _, ids, junk, ref = _seq2seq_reference(model, vocab_limit, decoder_start, total, seed, refs)
         plan = _plan(total, prefill=1)
     ref_logits = ref.logits.float().numpy()
     stages, start = {}, 0
@@ -217,7 +231,7 @@ def _merge(old: dict | None, new: dict) -> dict:
 
 
 def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, decoder_start: int,
-                     seed: int = 0) -> tuple[dict, float]:
+                     seed: int = 0, refs: dict | None = None) -> tuple[dict, float]:
     """As validate_decoder, for an encoder-decoder: the encoder, the first decoder step, then the
     decoder-with-past graph over LONG_TOKENS decoder tokens (with the rejected round)."""
     enc = _session(folder / contract.ENCODER_FILE)
@@ -229,7 +243,7 @@ def validate_seq2seq(model, folder: Path, num_layers: int, vocab_limit: int, dec
     cross_present = contract.seq2seq_cross_present_names(num_layers)
 
     total = validated_positions(None)
-    src, mask, tgt, junk, ref = _seq2seq_reference(model, vocab_limit, decoder_start, total, seed)
+    src, mask, tgt, junk, ref = _seq2seq_reference(model, vocab_limit, decoder_start, total, seed, refs)
     ref_logits = ref.logits.float().numpy()
     cache = ref.past_key_values
     ref_self = [a for pair in _kv_pairs(cache.self_attention_cache) for a in pair]
