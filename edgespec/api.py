@@ -422,10 +422,12 @@ class Engine:
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, gamma: int | None = None, lenience: float = 1.0, seed: int | None = None,
                  stream: bool = False, use_draft: bool = True, stop_token_ids: Sequence[int] = (),
-                 drafter: str = "model"):
+                 drafter: str | None = None):
         """Generate from text or token ids.
 
-        ``drafter="model"`` drafts with the bundle's draft model; ``drafter="lookahead"`` too, and
+        ``drafter=None`` (the default) drafts with the draft model when the engine has one and
+        decodes plainly when it has none; ``drafter="model"`` drafts with the draft model and is an
+        error without one; ``drafter="lookahead"`` too, and
         keeps drafting on a second thread while the target verifies, so rounds that keep every draft
         start with their drafts made (worth it where the target runs on fewer cores than the machine
         has); ``drafter="ngram"`` drafts by prompt lookup (continuations of earlier text; no second
@@ -455,16 +457,17 @@ class Engine:
         for name, flag in (("use_draft", use_draft), ("stream", stream)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise InvalidArgumentError(f"{name} must be True or False; got {flag!r:.40}")
-        if drafter not in DRAFTERS:
-            raise InvalidArgumentError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}; got {drafter!r}")
-        if drafter != "model" and not use_draft:
+        if drafter is not None and drafter not in DRAFTERS:
+            raise InvalidArgumentError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))} or None; got {drafter!r}")
+        if drafter is not None and not use_draft:
             raise InvalidArgumentError(f"use_draft=False decodes with the target alone, so drafter={drafter!r} has no "
                                        "effect; drop one of them")
-        if drafter in ("lookahead", "hybrid") and use_draft and self.draft is None:
+        if drafter in ("model", "lookahead", "hybrid") and self.draft is None:
             raise InvalidArgumentError(
                 f"drafter={drafter!r} drafts with the bundle's draft model, and this engine has none ("
                 + ("a single-model bundle: export one with --draft" if self.manifest.draft is None else "loaded with load_draft=False")
                 + "); use drafter='ngram' (prompt lookup, no model; CLI --draft ngram) or use_draft=False (CLI --no-draft)")
+        drafter = drafter or "model"
         # settings that would do nothing are refused, as the CLI refuses them
         idle = [n for n, on in (("gamma", gamma is not None), ("lenience", lenience != 1)) if on]
         has = "has" if len(idle) == 1 else "have"

@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None,
                         help="seed for sampling: the same seed gives the same text (default: a fresh one)")
     parser.add_argument("--no-draft", action="store_true", help="plain decoding with the target only")
-    parser.add_argument("--draft", choices=DRAFTERS, default="model",
-                        help="model: the bundle's draft model (default); lookahead: the draft model, drafting "
+    parser.add_argument("--draft", choices=DRAFTERS, default=None,
+                        help="model: the bundle's draft model (the default when the bundle has one; without one "
+                             "the default is plain decoding); lookahead: the draft model, drafting "
                              "on a second thread while the target verifies (for a target on fewer threads than "
                              "cores); ngram: prompt lookup, no second model; hybrid: the draft model, with a "
                              "prompt-lookup token wherever the run so far says it is kept more often")
@@ -101,7 +102,7 @@ def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> st
 
 def _check_flags(args: argparse.Namespace, gamma: int | None) -> None:
     """Flags that contradict each other or do nothing in this combination are errors, not ignored."""
-    if args.no_draft and args.draft != "model":
+    if args.no_draft and args.draft is not None:
         raise InvalidArgumentError(f"--no-draft decodes with the target alone; drop --draft {args.draft} "
                                    "(or drop --no-draft to draft with it)")
     if args.no_draft and gamma is not None:
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                   draft_threads=1 if args.draft_threads is None else args.draft_threads, spinning=spin,
                   load_draft=not args.no_draft and args.draft != "ngram",
                   runtime=args.runtime, platform=args.platform, huge_pages=not args.no_huge_pages)
-    if not engine.has_draft and args.draft in ("lookahead", "hybrid") and not args.no_draft:
+    if not engine.has_draft and args.draft in ("model", "lookahead", "hybrid") and not args.no_draft:
         raise InvalidArgumentError(f"--draft {args.draft} drafts with the bundle's draft model, and {args.bundle} has "
                                    "none; use --draft ngram (prompt lookup, no model) or --no-draft, or export the "
                                    "bundle with --draft")

@@ -150,8 +150,13 @@ def test_ids_prompt_and_single_model_bundle(engines, tiny_bundle):
     no_draft = load(tiny_bundle("gpt2"), load_draft=False)
     assert not no_draft.has_draft
     assert set(no_draft.generate(PROMPT, max_new_tokens=4, temperature=0).sources) == {"target"}
-    with pytest.raises(InvalidArgumentError, match="lookahead.*load_draft=False.*ngram"):  # not a silent plain run
-        no_draft.generate(PROMPT, max_new_tokens=4, drafter="lookahead")
+    for drafter in ("model", "lookahead", "hybrid"):  # asked for by name: not a silent plain run
+        with pytest.raises(InvalidArgumentError, match=f"drafter='{drafter}'.*load_draft=False.*ngram"):
+            no_draft.generate(PROMPT, max_new_tokens=4, drafter=drafter)
+    with pytest.raises(InvalidArgumentError, match="use_draft=False decodes with the target alone, so drafter='model'"):
+        eng.generate(PROMPT, max_new_tokens=4, use_draft=False, drafter="model")
+    assert eng.generate(PROMPT, max_new_tokens=4, temperature=0, drafter="model").ids == \
+        eng.generate(PROMPT, max_new_tokens=4, temperature=0).ids  # the default drafts with the model
 
 
 def test_bad_inputs(engines, tiny_bundle):

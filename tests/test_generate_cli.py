@@ -240,9 +240,10 @@ def test_gamma_on_a_single_model_bundle_is_an_error(bundle_copy, capsys):
     _fails(argv + ["--gamma", "3", "--show-drafts"], capsys, "so --gamma and --show-drafts have no effect")
     for flags in (["--draft-threads", "2"], ["--draft-provider", "cpu"], ["--lenience", "0.5"]):  # accepted, ignored
         _fails(argv + flags, capsys, f"has no draft model, so {flags[0]} has no effect")
-    for drafter in ("lookahead", "hybrid"):  # CLI words, not the API's drafter='...'
+    for drafter in ("model", "lookahead", "hybrid"):  # CLI words, not the API's drafter='...'
         _fails(argv + ["--draft", drafter], capsys, f"--draft {drafter} drafts with the bundle's draft model, and ")
     assert main(argv + ["--gamma", "3", "--draft", "ngram"]) == 0
+    assert main(argv) == 0  # without --draft: plain decoding
     assert main(argv) == 0
 
 
