@@ -391,7 +391,7 @@ class OnnxDecoderBackend(_PositionCache):
         return self._forward(arr)[-1]
 
     def extend(self, ids) -> np.ndarray:
-        return self._forward(_as_ids(ids))
+        return self._forward(_as_ids(ids, self.vocab_size))
 
     def _forward(self, arr: np.ndarray) -> np.ndarray:
         p, k = self._len, arr.shape[1]
@@ -526,7 +526,7 @@ class OnnxSeq2SeqBackend(_PositionCache):
     def extend(self, ids) -> np.ndarray:
         if self._enc_state is None:
             raise InvalidArgumentError("extend() before prefill(): call prefill(prompt_ids) first")
-        return self._forward(_as_ids(ids))
+        return self._forward(_as_ids(ids, self.vocab_size))
 
     def _forward(self, arr: np.ndarray) -> np.ndarray:
         p, k = self._len, arr.shape[1]

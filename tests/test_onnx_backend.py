@@ -57,10 +57,19 @@ def test_logits_survive_later_calls(tiny_bundle):
     assert np.array_equal(a, keep) and b.shape == (1, mm.vocab_size)
 
 
-def test_limits_and_bad_ids(tiny_bundle):
-    (be, _, mm) = _backends(tiny_bundle("gpt2"))["target"]
+@pytest.mark.parametrize("arch", ["gpt2", "t5"])
+def test_limits_and_bad_ids(tiny_bundle, arch):
+    (be, _, mm) = _backends(tiny_bundle(arch))["target"]
     with pytest.raises(InvalidArgumentError, match="token ids"):
         be.prefill(np.array([4, mm.vocab_size]))
+    be.prefill(np.array([4, 5]))
+    n = be.length
+    for bad in ([6, mm.vocab_size], [-1]):  # extend checks the ids too, and leaves the cache as it was
+        with pytest.raises(InvalidArgumentError, match=r"token ids must be in \[0, "):
+            be.extend(np.array(bad))
+        assert be.length == n
+    if arch == "t5":
+        return
     with pytest.raises(PromptTooLongError, match="positions"):
         be.prefill(np.arange(mm.max_positions + 1) % 50)
     be.prefill(np.array([4, 5]))
