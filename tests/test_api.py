@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 
 import numpy as np
 import pytest
 
 from edgespec import contract
 from edgespec.api import load
-from edgespec.errors import BundleError, InvalidArgumentError, PromptTooLongError, ProviderError
+from edgespec.errors import BundleError, EdgeSpecWarning, InvalidArgumentError, PromptTooLongError, ProviderError
 
 pytestmark = pytest.mark.slow
 
@@ -173,8 +174,15 @@ def test_bad_inputs(engines, tiny_bundle):
     b = eng.generate(PROMPT, max_new_tokens=6, temperature=0.7, top_k=5, top_p=0.9, gamma=2, seed=3,
                      stop_token_ids=[eng.vocab_size - 1])
     assert a.ids == b.ids
-    assert eng.generate(PROMPT, max_new_tokens=6, temperature=0, gamma="auto").ids == \
-        eng.generate(PROMPT, max_new_tokens=6, temperature=0).ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning for greedy without sampling keywords
+        greedy = eng.generate(PROMPT, max_new_tokens=6, temperature=0).ids
+    assert eng.generate(PROMPT, max_new_tokens=6, temperature=0, gamma="auto").ids == greedy
+    # sampling keywords at temperature 0 do nothing: a warning (Hugging Face's generate warns too)
+    with pytest.warns(EdgeSpecWarning, match=r"^top_k \(CLI --top-k\) has no effect at temperature 0.*drop it "):
+        assert eng.generate(PROMPT, max_new_tokens=6, temperature=0, top_k=5).ids == greedy
+    with pytest.warns(EdgeSpecWarning, match=r"top_k .* and top_p \(CLI --top-p\) have no effect.*drop them"):
+        eng.generate(PROMPT, max_new_tokens=2, temperature=0, top_k=5, top_p=0.5)
     with pytest.raises(InvalidArgumentError, match="non-empty"):
         eng.generate([])
     with pytest.raises(InvalidArgumentError, match=r"\[0, 80\)"):  # shared vocab with the draft
