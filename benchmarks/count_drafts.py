@@ -32,4 +32,4 @@ if __name__ == "__main__":  # a library of paper_tables.py, not a script
     import sys
 
     print(__doc__.strip() + "\n\nA module used by benchmarks/paper_tables.py; run that script instead.", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(0 if {"-h", "--help"} & set(sys.argv[1:]) else 2)

@@ -67,10 +67,12 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
     """Per repeat: tokens/s of plain decoding and of both policies, and each policy's plain-step share."""
     import edgespec
     from edgespec.adaptive import AdaptiveGamma
+    from edgespec.bundle import load_bundle
     from edgespec.config import GenerationConfig, SamplingConfig
     from edgespec.loop import generate
 
-    other = policy_class(against)  # first: a bad revision is reported before the bundle loads
+    load_bundle(Path(bundle))  # a missing bundle is reported first, before the note about the revision
+    other = policy_class(against)  # then a bad revision, before the sessions' seconds of loading
     eng = edgespec.load(bundle, threads=1, draft_threads=1)
     if not eng.has_draft:
         raise InvalidArgumentError(f"{bundle} has no draft model; export the bundle with --draft")

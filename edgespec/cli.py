@@ -80,17 +80,18 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = shown
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``low`` (a usage error otherwise, not a traceback later)."""
+def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` and, if given, <= ``high`` (a usage error otherwise,
+    not a traceback later)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be >= {low}{'' if high is None else f' and <= {high}'}, got {value}")
         return value
-    parse.__name__ = f"integer >= {low}"
+    parse.__name__ = f"integer >= {low}" + ("" if high is None else f" and <= {high}")
     return parse
 
 

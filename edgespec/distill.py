@@ -498,7 +498,10 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
         # (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) is small once c is not far below 1
         warnings.warn(f"the draft has {n_draft / 1e6:.2f}M parameters, {n_draft / n_target:.0%} of the target's "
                       f"{n_target / 1e6:.2f}M: each draft token will cost a large share of a target step, or more, and gain little or "
-                      "nothing; make it smaller with --hidden/--layers (--size tiny is the smallest named size)", EdgeSpecWarning,
+                      "nothing; " + ("start from a smaller --init checkpoint (its shape is kept; only --layers may grow it)"
+                                     if init is not None else
+                                     "make it smaller with --hidden/--layers (--size tiny is the smallest named size)"),
+                      EdgeSpecWarning,
                       stacklevel=2)
     report["alpha_before"] = alphas(before)
     report["alpha_on_target_before"] = alphas_on_target(before)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -916,3 +917,32 @@ def test_bench_table_cells_sit_under_their_headers():
         header_ends.append(pos)
     for line in (one, many, long):  # a row's cells hold no spaces
         assert [first + m.end() for m in re.finditer(r"\S+", line[first:])] == header_ends, (head, line)
+
+
+def test_benchmark_scripts_bound_their_sizes(tmp_path, monkeypatch, capsys):
+    """Sizes a script cannot honour are usage errors before anything runs (trials' finds):
+    int8_rows.py --rows 100000 ran out of memory; call_width.py --width 300 reported 300-token calls
+    along a 96-token continuation, which feeds at most 95 per call."""
+    import subprocess
+    import sys
+
+    with pytest.raises(SystemExit) as e:
+        _script("int8_rows").main(["--rows", "100000"])
+    assert e.value.code == 2 and "--rows: must be >= 2 and <= 256, got 100000" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        _script("call_width").main([str(tmp_path / "missing"), "--width", "300"])
+    assert e.value.code == 2 and "raise --max-new-tokens above 300 or lower --width" in capsys.readouterr().err
+    # count_drafts.py is a module of paper_tables.py: its --help is help, not an error
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "count_drafts.py"
+    done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "run that script instead" in done.stderr
+    assert subprocess.run([sys.executable, str(script)], capture_output=True).returncode == 2
+
+
+def test_policy_ab_reports_a_missing_bundle_first(tmp_path, capsys):
+    """policy_ab.py printed its note about the revision before the missing bundle's error."""
+    from edgespec.errors import BundleError
+
+    with pytest.raises(BundleError, match="does not exist"):
+        _script("policy_ab").run(str(tmp_path / "missing"), "HEAD", 1.0, 1, 4)
+    assert "[policy_ab] note" not in capsys.readouterr().err

@@ -152,6 +152,11 @@ def test_distill_warns_of_a_draft_as_large_as_its_target(target, corpus, tmp_pat
         distill(target, tmp_path / "d", size="tiny", corpus=corpus, steps=1, batch_size=2, eval_windows=1,
                 progress=False)
     assert (tmp_path / "d" / "distill.json").is_file()
+    # from an --init checkpoint the shape is the checkpoint's, which --hidden cannot change
+    with pytest.warns(EdgeSpecWarning, match=r"of the target's .*start from a smaller --init checkpoint") as seen:
+        distill(target, tmp_path / "e", init=tmp_path / "d", corpus=corpus, steps=1, batch_size=2, eval_windows=1,
+                progress=False)
+    assert not any("--hidden" in str(w.message) for w in seen)
 
 
 def test_continuations_are_the_targets_own_text(target):
