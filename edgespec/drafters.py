@@ -242,7 +242,9 @@ class LookaheadDrafter(ModelDrafter):
         self._jobs.put(job)
 
     def _join(self) -> None:
-        """Wait for the worker; its drafts become ``_ahead`` unless it was stopped."""
+        """Wait for the worker; its drafts become ``_ahead`` unless it was stopped. Its error is
+        raised unless it was stopped: a stopped job drafted after a prefix that did not happen (a
+        draft was rejected), which the model drafter never evaluates."""
         if not self._busy:
             return
         t0 = time.perf_counter()
@@ -252,7 +254,9 @@ class LookaheadDrafter(ModelDrafter):
         result, self._result = self._result, None
         if isinstance(result, BaseException):
             self._ahead = None
-            raise result
+            if not self._cancel:
+                raise result
+            return
         self._ahead = None if self._cancel else (self._at, *result)
 
 

@@ -440,6 +440,46 @@ def test_a_failed_round_stops_the_lookahead_worker():
     look.close()
 
 
+def test_an_error_in_lookahead_drafts_that_assume_a_rejected_draft_is_not_raised():
+    """The worker drafts on from the round's last draft while the target verifies. When the target
+    rejects a draft, the worker's drafts assume a prefix that did not happen and are dropped; an
+    error there (here NaN draft logits on such prefixes only) must not end the run, since the model
+    drafter never evaluates those prefixes (a review's find: it was raised)."""
+    import threading
+    import time
+
+    from edgespec.drafters import LookaheadDrafter
+
+    t, d = toy_pair(16, 3, 1.5)
+    prompt, c = [1, 2, 3], cfg(max_new_tokens=40, gamma=3, sampling=SamplingConfig(0.0))
+    plain = generate(ToyBackend(t.model, 256), prompt, c, np.random.default_rng(0)).tokens
+    path = prompt + list(plain)
+
+    class SlowTarget(ToyBackend):  # a verify long enough for the worker to draft during it
+        def extend(self, ids):
+            time.sleep(0.002)
+            return super().extend(ids)
+
+    class NaNOffPath(ToyBackend):
+        hits = 0
+
+        def extend(self, ids):
+            out = super().extend(ids)
+            assumed = len(prompt) + look._at  # the committed tokens the worker's job assumes
+            if threading.current_thread().name == "edgespec-lookahead" and \
+                    list(self._tokens[:min(assumed, self._n)]) != path[:min(assumed, self._n)]:
+                NaNOffPath.hits += 1
+                return np.full_like(out, np.nan)
+            return out
+
+    look = LookaheadDrafter(NaNOffPath(d.model, 256))
+    try:
+        out = generate(SlowTarget(t.model, 256), prompt, c, np.random.default_rng(0), draft=look)
+    finally:
+        look.close()
+    assert out.tokens == plain and NaNOffPath.hits > 0 and out.stats.accepted < out.stats.drafted
+
+
 @pytest.mark.parametrize("where", ["before the put", "after the put", "at the thread's start"])
 def test_an_interrupt_inside_the_lookahead_launch_neither_hangs_nor_overlaps(where, monkeypatch):
     """Ctrl-C can land between marking the worker busy and queueing its job (the cleanup waited for
