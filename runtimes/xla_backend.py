@@ -333,6 +333,16 @@ class XlaBackend:
             raise PromptTooLongError(
                 f"extending {self._length} cached tokens by {k} exceeds the {self.max_length}-token XLA buffers; "
                 f"stop earlier (lower max_new_tokens) or re-export with a larger --max-length")
+        try:
+            return self._run_chunks(a)
+        except BaseException:
+            # A failed call may have consumed the KV buffer it was given (donated), and earlier
+            # chunks have moved the length: the cache is gone, and the next prefill starts afresh.
+            self.free()
+            raise
+
+    def _run_chunks(self, a: np.ndarray) -> np.ndarray:
+        k = a.size
         out = []
         i = 0
         while i < k:

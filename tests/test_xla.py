@@ -468,6 +468,37 @@ def test_extend_past_buffers_and_too_wide(backends):
         be.extend(np.array([5]))
 
 
+def test_a_failed_extend_leaves_no_half_moved_cache(backends, hf_models, monkeypatch):
+    """A block split over two artifact calls (near the end of the buffers) whose second call fails
+    had moved the length by the first chunk and given its KV buffer away (donated to the failed
+    call): later calls met jax's "Array has been deleted". The cache is now dropped: extend asks
+    for a prefill, and a prefill works as before (a review's find)."""
+    be = backends["gpt2"]
+    seq = np.random.default_rng(2).integers(4, 60, size=MAX_LEN)
+    be.prefill(seq[:MAX_LEN - 3])
+    calls, real = [], dict(be._extend)
+
+    def failing(w):
+        def call(*a):
+            calls.append(w)
+            if len(calls) == 2:
+                raise RuntimeError("device lost")
+            return real[w](*a)
+        return call
+
+    for w in real:
+        monkeypatch.setitem(be._extend, w, failing(w))
+    with pytest.raises(RuntimeError, match="device lost"):
+        be.extend(seq[MAX_LEN - 3:])  # 3 tokens, 3 positions left: width 2, then width 1
+    assert len(calls) == 2 and be.length == 0
+    with pytest.raises(InvalidArgumentError, match="prefill"):
+        be.extend(seq[:1])
+    monkeypatch.undo()
+    be.prefill(seq[:MAX_LEN - 3])
+    rows = be.extend(seq[MAX_LEN - 3:])
+    assert np.abs(rows - _hf_logits(hf_models["gpt2"], "gpt2", seq)[-3:]).max() < TOL
+
+
 def test_near_full_buffer_uses_exact_widths(backends, hf_models):
     """At length max_length-3 a 3-token block cannot be padded to width 4: it is split, still exact."""
     be = backends["gpt2"]
