@@ -190,8 +190,9 @@ def _shared(cls):
     return factory
 
 
-@pytest.mark.parametrize("sampling,adaptive", [(SamplingConfig(1.0), False), (SamplingConfig(0.6, top_k=3), True)],
-                         ids=["T1", "T0.6-topk3-adaptive"])
+@pytest.mark.parametrize("sampling,adaptive", [(SamplingConfig(1.0), False),
+                                               (SamplingConfig(1.4, top_k=3, top_p=0.8), True)],
+                         ids=["T1", "T1.4-topk3-topp0.8-adaptive"])
 def test_lookahead_drafter_is_exact(sampling, adaptive):
     """Drafts made while the target verified are reused when the round's last token is the one
     they assumed; outputs of 7 tokens span several rounds, so reused rounds are in the sample."""
@@ -259,7 +260,8 @@ class _BinByDraw(_Forced):
 
 @pytest.mark.parametrize("cls,sampling,adaptive", [
     (HybridDrafter, SamplingConfig(1.0), False), (_Forced, SamplingConfig(1.0), False),
-    (_Forced, SamplingConfig(0.6, top_k=3), True)], ids=["T1-learned", "T1-forced", "T0.6-topk3-adaptive-forced"])
+    (_Forced, SamplingConfig(1.4, top_k=3, top_p=0.8), True)],
+    ids=["T1-learned", "T1-forced", "T1.4-topk3-topp0.8-adaptive-forced"])
 def test_hybrid_drafter_is_exact(cls, sampling, adaptive):
     """The draft model with prompt-lookup tokens in its place: as learned over the samples, and
     with lookup forced in half the sureness bins (so replaced positions, and the bin rule, are in
