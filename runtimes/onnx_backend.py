@@ -193,6 +193,7 @@ class _Binder:
     """Thin, allocation-free access to an IOBinding: names and the CPU device are resolved once."""
 
     def __init__(self, sess, where: str = "model"):
+        import onnxruntime as ort
         from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
         self._where = where
@@ -202,6 +203,10 @@ class _Binder:
         self._c = self._io._iobinding
         self._run = sess._sess.run_with_iobinding
         self._dev = OrtDevice.make("cpu", 0)._get_c_device()
+        # A failed run is raised as a ModelExecutionError with ORT's message in it; ORT's own log
+        # line of the same error (colored, on stderr) would print it a second time.
+        self._opts = ort.RunOptions()
+        self._opts.log_severity_level = 4
 
     def input(self, name: str, dtype, shape: tuple, ptr: int) -> None:
         self._c.bind_input(name, self._dev, dtype, shape, ptr)
@@ -211,7 +216,7 @@ class _Binder:
 
     def run(self) -> None:
         try:  # free when nothing is raised (zero-cost exceptions)
-            self._run(self._c, None)
+            self._run(self._c, self._opts)
         except Exception as exc:  # ORT's Fail / InvalidArgument / RuntimeException
             raise ModelExecutionError(
                 f"ONNX Runtime failed running {self._where}: {_one_line(exc)}; the graph does not match its "

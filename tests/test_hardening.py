@@ -482,3 +482,22 @@ def test_provider_not_installed_for_export_free_paths(tiny_bundle, capsys):
     with pytest.raises(EdgeSpecError, match="not available.*available:.*cpu"):
         load(tiny_bundle("gpt2"), providers="cpu,tensorrt")
     cli_fails(gen_argv(tiny_bundle("gpt2"), "--provider", "openvino"), capsys, "not available", "Install")
+
+
+def test_a_hand_edited_max_positions_fails_typed_and_once(bundle_copy, capfd):
+    """A manifest promising more positions than the static graph's rotary tables hold fails when
+    generation gets there, as a ModelExecutionError naming the fix; ONNX Runtime's own log line of
+    the same error (colored, on stderr) no longer prints it a second time."""
+    b = bundle_copy("llama")
+    manifest = json.loads((b / contract.MANIFEST_NAME).read_text())
+    assert manifest["models"]["target"]["kv_layout"] == contract.KV_STATIC
+    n = manifest["models"]["target"]["max_positions"]
+    for m in manifest["models"].values():
+        m["max_positions"] = 2 * n
+    (b / contract.MANIFEST_NAME).write_text(json.dumps(manifest))
+    eng = load(b, threads=1)
+    capfd.readouterr()
+    with pytest.raises(ModelExecutionError, match="cos_cache.*re-export the bundle"):
+        eng.generate([4 + i % 60 for i in range(n - 2)], max_new_tokens=8, temperature=0)
+    err = capfd.readouterr().err
+    assert "onnxruntime" not in err and "GroupQueryAttention" not in err, err
