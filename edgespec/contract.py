@@ -37,6 +37,30 @@ def seq2seq_positions(config: dict) -> int:
     most an XLA export may take): the config's count, else T5_MAX_POSITIONS."""
     return next((int(config[k]) for k in POSITION_KEYS if isinstance(config.get(k), int)), T5_MAX_POSITIONS)
 
+
+def rope_switch(config: dict) -> int | None:
+    """Length at which the checkpoint's rotary factors change (Phi-3's longrope: short factors up to
+    original_max_position_embeddings tokens, long ones past it). The traced graph keeps the short
+    ones, so a bundle must stop there; None when the factors do not depend on the length."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters")  # the latter: newer transformers
+    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+    orig = config.get("original_max_position_embeddings") or (rope.get("original_max_position_embeddings") if kind else None)
+    if kind in ("longrope", "su") and isinstance(orig, int) and orig < (config.get("max_position_embeddings") or 0):
+        return orig
+    return None
+
+
+def config_positions(config: dict, kind: str) -> int | None:
+    """The positions a model's bundle takes, from its config.json (the manifest's max_positions as
+    the exporter writes it); None for a decoder-only config that names none."""
+    if kind == KIND_SEQ2SEQ:
+        return seq2seq_positions(config)
+    for key in POSITION_KEYS:
+        if isinstance(config.get(key), int) and not isinstance(config.get(key), bool):
+            n = int(config[key])
+            return min(n, rope_switch(config) or n)
+    return None
+
 # ---- files inside a model folder (bundle/target, bundle/draft) --------------------------------
 DECODER_FILE = "model.onnx"
 ENCODER_FILE = "encoder_model.onnx"

@@ -137,26 +137,11 @@ def _eos_ids(folder: Path, config: dict) -> list[int]:
     return ids
 
 
-def _rope_switch(config: dict) -> int | None:
-    """Length at which the checkpoint's rotary factors change (Phi-3's longrope: short factors up to
-    original_max_position_embeddings tokens, long ones past it). The traced graph keeps the short
-    ones, so a bundle must stop there; None when the factors do not depend on the length."""
-    rope = config.get("rope_scaling") or config.get("rope_parameters")  # the latter: newer transformers
-    kind = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
-    orig = config.get("original_max_position_embeddings") or (rope.get("original_max_position_embeddings") if kind else None)
-    if kind in ("longrope", "su") and isinstance(orig, int) and orig < (config.get("max_position_embeddings") or 0):
-        return orig
-    return None
-
-
 def _max_positions(ckpt: Checkpoint) -> int:
-    if ckpt.kind == contract.KIND_SEQ2SEQ:
-        return contract.seq2seq_positions(ckpt.config)
-    for key in contract.POSITION_KEYS:
-        if isinstance(ckpt.config.get(key), int):
-            n = int(ckpt.config[key])
-            return min(n, _rope_switch(ckpt.config) or n)
-    raise UnsupportedArchitectureError(f"{ckpt.path}/config.json has no max_position_embeddings / n_positions; add it and export again")
+    n = contract.config_positions(ckpt.config, ckpt.kind)
+    if n is None:
+        raise UnsupportedArchitectureError(f"{ckpt.path}/config.json has no max_position_embeddings / n_positions; add it and export again")
+    return n
 
 
 def _kv_layout(ckpt: Checkpoint, opts: ExportOptions) -> str:
@@ -217,7 +202,7 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
                                                       max_positions=_max_positions(ckpt), refs=refs)
         return validate.summarize(stages, atol, what, scale, rtol)
 
-    switch = _rope_switch(ckpt.config)
+    switch = contract.rope_switch(ckpt.config)
     if switch is not None:
         warnings.warn(f"{role}: {ckpt.path} uses length-dependent rotary scaling (longrope): its factors change past "
                       f"{switch} tokens and the exported graph keeps the short ones, so the bundle is limited to "

@@ -23,6 +23,7 @@ across calls (the loop keeps the draft's q for every drafted token).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -332,6 +333,22 @@ def _as_ids(ids, vocab_size: int | None = None) -> np.ndarray:
     return arr
 
 
+def check_positions(folder: Path, model: ModelManifest) -> None:
+    """A manifest that promises more positions than the model was exported for (its config.json,
+    which export copies beside the graphs) is refused at load, not when generation gets there."""
+    path = Path(folder) / contract.CONFIG_FILE
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # a cross-check only: the graphs need no config.json (hand-made bundles may lack one)
+    limit = contract.config_positions(config, model.kind) if isinstance(config, dict) else None
+    if limit is not None and model.max_positions > limit:
+        raise BundleError(
+            f"{path.parent}: the manifest says max_positions {model.max_positions}, but the model was exported for "
+            f"{limit} positions (its {contract.CONFIG_FILE}); restore the manifest or re-export the bundle with "
+            "`edgespec export`")
+
+
 class _PositionCache:
     """length / rewind_to / free shared by both backends: the cache is a position into _KVPingPong."""
 
@@ -360,6 +377,7 @@ class OnnxDecoderBackend(_PositionCache):
             raise BundleError(f"{folder}: model kind {model.kind!r} is not decoder-only; use OnnxSeq2SeqBackend")
         self.vocab_size = model.vocab_size
         self.max_length = model.max_positions
+        check_positions(folder, model)
         path = Path(folder) / model.files["decoder"]
         self._sess = make_session(path, session)
         names = {i.name for i in self._sess.get_inputs()}
@@ -478,6 +496,7 @@ class OnnxSeq2SeqBackend(_PositionCache):
         folder = Path(folder)
         self.vocab_size = model.vocab_size
         self.max_length = model.max_positions
+        check_positions(folder, model)
         self._start = int(model.decoder_start_token_id if model.decoder_start_token_id is not None else model.pad_token_id or 0)
         self._enc = make_session(folder / model.files["encoder"], session)
         self._dec0 = make_session(folder / model.files["decoder"], session)

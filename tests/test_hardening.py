@@ -484,11 +484,32 @@ def test_provider_not_installed_for_export_free_paths(tiny_bundle, capsys):
     cli_fails(gen_argv(tiny_bundle("gpt2"), "--provider", "openvino"), capsys, "not available", "Install")
 
 
-def test_a_hand_edited_max_positions_fails_typed_and_once(bundle_copy, capfd):
-    """A manifest promising more positions than the static graph's rotary tables hold fails when
-    generation gets there, as a ModelExecutionError naming the fix; ONNX Runtime's own log line of
-    the same error (colored, on stderr) no longer prints it a second time."""
+def test_a_hand_edited_max_positions_is_refused_at_load(bundle_copy, capsys):
+    """A manifest promising more positions than the model was exported for failed only when
+    generation got there (text already streamed; a trial's find): it is refused at load, from the
+    config.json export writes beside the graphs. Fewer positions than exported stay allowed."""
+    for arch in ("llama", "gpt2", "t5"):
+        b = bundle_copy(arch)
+        manifest = json.loads((b / contract.MANIFEST_NAME).read_text())
+        n = manifest["models"]["target"]["max_positions"]
+        manifest["models"]["target"]["max_positions"] = n + 1
+        (b / contract.MANIFEST_NAME).write_text(json.dumps(manifest))
+        with pytest.raises(BundleError, match=f"max_positions {n + 1}, but the model was exported for {n} positions"):
+            load(b, threads=1)
+        cli_fails(gen_argv(b), capsys, "restore the manifest or re-export")
+        manifest["models"]["target"]["max_positions"] = n - 1
+        (b / contract.MANIFEST_NAME).write_text(json.dumps(manifest))
+        assert load(b, threads=1).generate(PROMPT, max_new_tokens=2).ids
+
+
+def test_a_model_past_its_graph_positions_fails_typed_and_once(bundle_copy, capfd):
+    """Where the cross-check cannot see it (no config.json beside the graph), a manifest promising
+    more positions than the static graph's rotary tables hold fails when generation gets there, as a
+    ModelExecutionError naming the fix; ONNX Runtime's own log line of the same error (colored, on
+    stderr) no longer prints it a second time."""
     b = bundle_copy("llama")
+    (b / "target" / contract.CONFIG_FILE).unlink()
+    (b / "draft" / contract.CONFIG_FILE).unlink()
     manifest = json.loads((b / contract.MANIFEST_NAME).read_text())
     assert manifest["models"]["target"]["kv_layout"] == contract.KV_STATIC
     n = manifest["models"]["target"]["max_positions"]
