@@ -700,8 +700,10 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     size = tokenizer_size(tokenizer.get_vocab(with_added_tokens=True))
     for m in (tm, manifest.draft if load_draft else None):
         if m is not None and m.tokenizer_size != size:
-            raise BundleError(f"{root}: the manifest says the {m.path} tokenizer has {m.tokenizer_size} ids; the tokenizer "
-                              f"({tok_path}) has {size}: the manifest was edited or the files mixed: re-export the bundle")
+            shared = "" if m is tm else f", which the {m.path} model shares (its own is checked to be the same)"
+            raise BundleError(f"{root}: the manifest says the {m.path} tokenizer has {m.tokenizer_size} ids; the target's "
+                              f"tokenizer ({tok_path}{shared}) has {size}: the manifest was edited or the files mixed: "
+                              "re-export the bundle")
     if runtime == "onnx":
         def open_model(m, cfg):
             return open_backend(root / m.path, m, cfg)

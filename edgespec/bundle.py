@@ -271,6 +271,9 @@ def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
         raise BundleError(f"{role}: manifest lists graphs {sorted(model.files)} but a {model.kind} model needs {sorted(expected)}; re-export")
     for name in [*model.files.values(), contract.TOKENIZER_FILE]:
         p = folder / name
+        if p.is_dir():
+            raise BundleError(f"{p} is a folder, not the file the bundle needs; copy the whole bundle again or re-export "
+                              "it with `edgespec export`")
         if not p.is_file():
             raise BundleError(f"bundle is missing {p}; copy the whole bundle or re-export it with `edgespec export`")
         if p.stat().st_size == 0:

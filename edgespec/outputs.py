@@ -147,12 +147,13 @@ def check_report_folder(out: Path, flag: str = "--out") -> None:
     file and can be written (a run that measured for minutes, then failed to write, lost it all)."""
     if out.exists() and not out.is_dir():
         raise OutputPathError(f"{flag} {str(out)!r} is a file; give a folder for the results")
-    check_writable(out / "results.json", flag)
+    check_writable(out / "results.json", flag, shown=out)  # (a file in it: out itself may exist)
 
 
-def check_writable(dest: Path, flag: str = "--out", fix: str = "choose another path") -> None:
+def check_writable(dest: Path, flag: str = "--out", fix: str = "choose another path", shown: Path | None = None) -> None:
     """A folder can be made in the nearest existing folder above ``dest`` (tried, before any work:
-    permission bits do not tell about read-only or virtual file systems, nor about root)."""
+    permission bits do not tell about read-only or virtual file systems, nor about root). The
+    message names ``shown`` (default ``dest``): the path the user gave."""
     parent = Path(os.path.abspath(dest)).parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -166,5 +167,5 @@ def check_writable(dest: Path, flag: str = "--out", fix: str = "choose another p
             reason = f"creating a folder in it failed: {exc.strerror or exc}"
     elif parent.is_dir():
         reason = "no write permission"
-    raise OutputPathError(f"cannot write {flag} {str(dest)!r}: {str(parent)!r} is not a writable folder ({reason}); "
+    raise OutputPathError(f"cannot write {flag} {str(shown or dest)!r}: {str(parent)!r} is not a writable folder ({reason}); "
                           f"{fix}")

@@ -36,7 +36,7 @@ def process_logits(logits: np.ndarray, cfg: SamplingConfig, who: str = "model") 
         return probs
     z = np.subtract(logits, m, dtype=np.float64)                  # [k, V], max 0
     if cfg.temperature != 1.0:
-        z /= cfg.temperature  # not *= 1/T: 1/T overflows to inf for subnormal T, and 0 * inf is NaN
+        _divide(z, cfg.temperature)
     if 0 < cfg.top_k < V:
         # keep every logit >= the k-th largest (ties at the threshold are kept, as in HF).
         kth = np.partition(z, V - cfg.top_k, axis=-1)[:, V - cfg.top_k: V - cfg.top_k + 1]  # [k, 1]
@@ -53,6 +53,17 @@ def process_logits(logits: np.ndarray, cfg: SamplingConfig, who: str = "model") 
         probs[~keep] = 0.0
         probs /= probs.sum(axis=-1, keepdims=True)
     return probs
+
+
+def _divide(z: np.ndarray, temperature: float) -> None:
+    """z /= T in place (z <= 0). Not z *= 1/T: 1/T overflows to inf for subnormal T, and 0 * inf is
+    NaN. For such a T (below ~1e-300) a negative z / T overflows to -inf, which is right (its
+    probability is 0) and which numpy would report as an overflow warning."""
+    if temperature >= 1e-300:
+        z /= temperature
+    else:
+        with np.errstate(over="ignore"):
+            z /= temperature
 
 
 def argmax_token(logits: np.ndarray, who: str = "model") -> int:
@@ -90,7 +101,7 @@ def sample_row(logits: np.ndarray, cfg: SamplingConfig, u: float, out: np.ndarra
         return sample_index(out, u)
     np.subtract(logits, logits[i], out=out, dtype=np.float64)     # [V] float64, max 0 (fp16 logits: as process_logits)
     if cfg.temperature != 1.0:
-        out /= cfg.temperature
+        _divide(out, cfg.temperature)
     np.exp(out, out=out)
     cdf = np.cumsum(out)                                          # [V] unnormalised
     out /= cdf[-1]

@@ -71,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
     if args.quantize_draft is not None and not args.draft:
         raise InvalidArgumentError("--quantize-draft: this export has no draft (no --draft DIR); drop it, or quantize "
                                    "the model with --quantize-target / --quantize")
+    if args.quantize != "none" and args.quantize_target is not None and (args.quantize_draft is not None or not args.draft):
+        raise InvalidArgumentError(f"--quantize {args.quantize} does nothing here: --quantize-target overrides it for the "
+                                   + ("target and --quantize-draft for the draft" if args.draft else "model (there is no draft)")
+                                   + "; drop --quantize")
     options = ExportOptions(
         quantize_target=args.quantize_target or args.quantize,
         quantize_draft=(args.quantize_draft or args.quantize) if args.draft else "none",

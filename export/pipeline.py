@@ -144,6 +144,17 @@ def _max_positions(ckpt: Checkpoint) -> int:
     return n
 
 
+def _validation_fix(quantized: bool, layout: str, role: str) -> str:
+    """What to try when a graph differs from PyTorch: the options that change this export."""
+    if quantized:
+        return (f"export the {role} without int8 (drop --quantize, or --quantize-{role} none) or raise "
+                "--quantized-atol only if you accept the error")
+    if layout == contract.KV_STATIC:
+        return ("try --graph optimum (optimum's traced graph instead of edgespec's static-KV one), or raise --atol "
+                "only if you accept the error")
+    return "try another --opset, or raise --atol only if you accept the error"
+
+
 def _kv_layout(ckpt: Checkpoint, opts: ExportOptions) -> str:
     if ckpt.kind != contract.KIND_DECODER or opts.graph == "optimum":
         if opts.graph == "static":
@@ -195,12 +206,13 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     refs: dict = {}  # PyTorch's reference passes, computed once for every validation of this model
 
     def run_validation(what: str, atol: float, rtol: float | None = None) -> dict:
+        fix = _validation_fix(rtol is not None, layout, role)
         if seq2seq:
             stages, scale = validate.validate_seq2seq(model, folder, num_layers, limit, int(dec_start or 0), refs=refs)
         else:
             stages, scale = validate.validate_decoder(model, folder, num_layers, limit, static=layout == contract.KV_STATIC,
                                                       max_positions=_max_positions(ckpt), refs=refs)
-        return validate.summarize(stages, atol, what, scale, rtol)
+        return validate.summarize(stages, atol, what, scale, rtol, fix)
 
     switch = contract.rope_switch(ckpt.config)
     if switch is not None:
@@ -267,7 +279,8 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     stages, scale = _validate_runtime(model, folder, manifest, limit, int(dec_start or 0) if seq2seq else None, refs)
     record = {**record, "runtime": validate.summarize(stages, opts.quantized_atol if quantized else opts.atol,
                                                       f"{role} ({'int8, ' if quantized else ''}runtime)", scale,
-                                                      QUANTIZED_RTOL if quantized else None)}
+                                                      QUANTIZED_RTOL if quantized else None,
+                                                      _validation_fix(quantized, layout, role))}
     manifest = dataclasses.replace(manifest, validation=record)
     diffs = ", ".join(f"{k} {v['max_abs_diff']:.2e}" for k, v in record.items())
     progress(f"{role}: done in {time.perf_counter() - t0:.1f}s (max abs diff vs PyTorch: {diffs})")

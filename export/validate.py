@@ -291,18 +291,17 @@ def worst(diffs: dict) -> tuple[str | None, float]:
 
 
 def summarize(stages: dict, atol: float, what: str, logits_scale: float | None = None,
-              rtol: float | None = None) -> dict:
+              rtol: float | None = None, fix: str = "raise --atol only if you accept the error") -> dict:
     """Worst diff over all stages/outputs; ValidationError if it exceeds ``atol`` (or is NaN), or,
     with ``rtol``, if the worst logits diff exceeds rtol x ``logits_scale`` (the reference's
     logits_range): a quantized model is judged against the size of its logits, so that a broken
-    graph of a model with small logits cannot pass an absolute bound."""
+    graph of a model with small logits cannot pass an absolute bound. ``fix``: what to try, for
+    this model's export (quantized or not, which graph)."""
     worst_name, worst_d = worst({f"{stage}/{name}": d for stage, diffs in stages.items() for name, d in diffs.items()})
     if not np.isfinite(worst_d) or worst_d > atol:
         raise ValidationError(
             f"{what}: ONNX Runtime output {worst_name} differs from PyTorch by {worst_d:.3g} (tolerance {atol:g}); "
-            "no bundle was written. If this is a quantized model, export without --quantize or raise "
-            "--quantized-atol; otherwise try --graph optimum or another --opset, or raise --atol only if you "
-            "accept the error"
+            f"no bundle was written. {fix[0].upper()}{fix[1:]}"
         )
     record = {"atol": atol, "max_abs_diff": worst_d, "worst_output": worst_name, "stages": stages}
     if rtol is not None and logits_scale is not None:

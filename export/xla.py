@@ -71,7 +71,7 @@ def check_xla_options(checkpoint_dir: str | Path, platforms: Sequence[str] = ("c
     if not platforms or bad:
         raise InvalidArgumentError(f"unknown XLA platform(s) {bad or platforms}; choose from {', '.join(PLATFORMS)}")
     platforms = list(dict.fromkeys(platforms))
-    verify_width = _check_int("verify_width", verify_width, 1)
+    verify_width = _check_int("verify_width (--verify-width)", verify_width, 1)
     config = xm.read_config(Path(checkpoint_dir))
     spec = xm.spec_from_config(config)
     # T5 has no position table; its bundle's ONNX graphs take the config's n_positions (512 without
@@ -79,7 +79,7 @@ def check_xla_options(checkpoint_dir: str | Path, platforms: Sequence[str] = ("c
     t5_limit = contract.seq2seq_positions(config) if spec.encoder_decoder else None
     if max_length is None:
         max_length = min(spec.max_positions, 2048) if spec.max_positions else min(t5_limit or 512, 512)
-    max_length = _check_int("max_length", max_length, 2)
+    max_length = _check_int("max_length (--max-length)", max_length, 2)
     xm.check_max_length(spec, max_length)
     if t5_limit is not None and max_length > t5_limit:
         raise InvalidArgumentError(f"max_length={max_length} exceeds the {t5_limit} decoder positions of this T5 model's "
@@ -100,10 +100,12 @@ def check_xla_options(checkpoint_dir: str | Path, platforms: Sequence[str] = ("c
                                    "an encoder-decoder (its prompt goes to the encoder: --max-source-length): drop them")
     buckets: list[int] = []
     if not spec.encoder_decoder:
-        buckets = sorted({_check_int("prefill bucket", b, 1) for b in (prefill_buckets or _default_buckets(max_length))})
+        buckets = sorted({_check_int("a prefill bucket (--prefill-buckets)", b, 1) for b in (prefill_buckets or _default_buckets(max_length))})
         if buckets[-1] > max_length:
-            raise InvalidArgumentError(f"prefill bucket {buckets[-1]} exceeds max_length={max_length}")
-    E = _check_int("max_source_length", 512 if max_source_length is None else max_source_length, 1)
+            raise InvalidArgumentError(f"prefill bucket {buckets[-1]} (--prefill-buckets) exceeds max_length={max_length} "
+                                       "(--max-length), the tokens the artifacts' buffers hold; use buckets of at most "
+                                       f"{max_length}, or raise --max-length")
+    E = _check_int("max_source_length (--max-source-length)", 512 if max_source_length is None else max_source_length, 1)
     if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol) or atol <= 0:
         raise InvalidArgumentError(f"atol must be a finite number > 0; got {atol!r}")
     return {"platforms": platforms, "max_length": max_length, "verify_width": verify_width, "widths": widths,

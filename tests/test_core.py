@@ -240,6 +240,21 @@ def test_sample_row_is_process_logits_then_sample_index(sampling):
         np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-12)
 
 
+def test_a_subnormal_temperature_is_greedy_without_warnings():
+    """T = 5e-324 divides a logit gap into -inf: right (probability 0), but numpy warned of the
+    overflow, which the CLI printed in the middle of the output (a trial's find)."""
+    import warnings
+
+    logits = np.array([[1.0, 3.0, -2.0, 3.0], [0.5, -1.0, 0.25, 0.0]])  # [2, 4], a tie in row 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in (5e-324, 1e-310):
+            cfg = SamplingConfig(t)
+            np.testing.assert_array_equal(process_logits(logits, cfg), [[0, 0.5, 0, 0.5], [1, 0, 0, 0]])
+            out = np.empty(4)
+            assert sample_row(logits[1], cfg, 0.7, out) == 0 and out.tolist() == [1, 0, 0, 0]
+
+
 def test_sample_row_computes_in_float64_for_half_precision_logits():
     """Plain steps (sample_row) and verify rows (process_logits) must sample from the same
     distribution whatever the logits' dtype: fp16 logits are widened before the subtraction."""

@@ -946,3 +946,13 @@ def test_policy_ab_reports_a_missing_bundle_first(tmp_path, capsys):
     with pytest.raises(BundleError, match="does not exist"):
         _script("policy_ab").run(str(tmp_path / "missing"), "HEAD", 1.0, 1, 4)
     assert "[policy_ab] note" not in capsys.readouterr().err
+
+
+def test_an_unwritable_report_folder_is_named_as_given():
+    """The message named a probe file (--out '/proc/x/results.json') that no script writes."""
+    from edgespec.errors import OutputPathError
+    from edgespec.outputs import check_report_folder
+
+    with pytest.raises(OutputPathError, match=r"^cannot write --out '/proc/edgespec-x': '/proc' is not a writable") as e:
+        check_report_folder(Path("/proc/edgespec-x"))
+    assert "results.json" not in str(e.value)

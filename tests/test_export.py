@@ -326,6 +326,16 @@ def test_validation_over_tolerance_fails_and_leaves_nothing(tiny_checkpoints, tm
     assert _nothing_written(out)
     _cli_fails(["export", "--model", str(target), "--out", str(out), "--quiet"], capsys, "tolerance")
     assert _nothing_written(out)
+    # the advice is for this export (a trial saw --quantize advice for fp32 and --opset for a static graph)
+    for options, wanted, unwanted in ((ExportOptions(), "Try --graph optimum", ("--quantize", "--opset")),
+                                      (ExportOptions(graph="optimum"), "Try another --opset", ("--quantize", "--graph"))):
+        with pytest.raises(ValidationError) as e:
+            export_bundle(target, out, options=options, progress=None)
+        assert wanted in str(e.value) and not any(u in str(e.value) for u in unwanted), str(e.value)
+    from edgespec.export.pipeline import _validation_fix  # an int8 graph's (its fp32 one passed)
+
+    fix = _validation_fix(True, contract.KV_STATIC, "draft")
+    assert "--quantize-draft none" in fix and "--quantized-atol" in fix and "--graph" not in fix
 
 
 @pytest.mark.parametrize("arch,graph", [("llama", "static"), ("llama", "optimum"), ("t5", "auto")])
@@ -375,6 +385,11 @@ def test_quantize_draft_without_a_draft_is_refused(tiny_checkpoints, tmp_path, c
     with pytest.raises(InvalidArgumentError, match="no draft; pass draft="):
         export_bundle(target, tmp_path / "o", options=ExportOptions(quantize_draft="int8"), progress=None)
     assert _nothing_written(tmp_path / "o")
+    # --quantize overridden for every model it would reach did nothing, silently (a trial's find)
+    for args in (["--model", str(target), "--quantize-target", "none"],
+                 ["--target", str(target), "--draft", str(target), "--quantize-target", "none", "--quantize-draft", "int8"]):
+        _cli_fails(["export", *args, "--out", str(tmp_path / "o"), "--quantize", "int8"], capsys, "does nothing here")
+        assert _nothing_written(tmp_path / "o")
 
 
 def test_mixed_kinds_refused(tiny_checkpoints, tmp_path):

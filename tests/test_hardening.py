@@ -376,6 +376,10 @@ def test_bundle_tokenizer_files(bundle_copy, capsys):
     with pytest.raises(BundleError, match="missing.*tokenizer.json.*re-export"):
         load(b)
     cli_fails(gen_argv(b), capsys, "tokenizer.json")
+    (b / "target" / contract.TOKENIZER_FILE).mkdir()  # a folder where the file should be: said so, not "missing"
+    with pytest.raises(BundleError, match="tokenizer.json is a folder, not the file"):
+        load(b)
+    (b / "target" / contract.TOKENIZER_FILE).rmdir()
     (b / "target" / contract.TOKENIZER_FILE).write_text("{ not a tokenizer")
     with pytest.raises(BundleError, match="cannot be read.*re-export"):
         load(b)
@@ -413,6 +417,9 @@ def test_draft_with_a_different_tokenizer_in_the_bundle(bundle_copy, capsys):
     (lambda d: d["models"]["target"].update(dtype="fp8"), "target.dtype must be one of"),
     (lambda d: d.update(format="other"), "format is 'other'"),
     (lambda d: d["models"]["target"].update(tokenizer_size=500), "tokenizer has 500 ids"),
+    # the draft shares the target's tokenizer file: the message names that file as the target's
+    (lambda d: d["models"]["draft"].update(tokenizer_size=500),
+     "draft tokenizer has 500 ids; the target's tokenizer ("),
 ])
 def test_manifest_fields_are_validated(bundle_copy, capsys, mutate, needle):
     b = bundle_copy()

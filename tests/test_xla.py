@@ -617,6 +617,11 @@ def test_export_bad_inputs(root, checkpoints, exported):
         export_xla(checkpoints["t5"], root / "x2", max_length=100_000)
     with pytest.raises(InvalidArgumentError, match="lower --verify-width or raise --max-length"):
         export_xla(checkpoints["gpt2"], root / "x2", max_length=4, verify_width=9)
+    # the messages name the flags, and a bucket too large says what to do (a trial's find)
+    with pytest.raises(InvalidArgumentError, match=r"verify_width \(--verify-width\) must be an integer >= 1"):
+        export_xla(checkpoints["gpt2"], root / "x2", verify_width=0)
+    with pytest.raises(InvalidArgumentError, match=r"exceeds max_length=16 \(--max-length\).*at most 16, or raise --max-length"):
+        export_xla(checkpoints["gpt2"], root / "x2", max_length=16, prefill_buckets=(8, 20))
     odd = root / "bert"
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"model_type": "bert"}))
