@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.width >= args.max_new_tokens:  # the calls feed the continuation's tokens: one of W needs W of them
         ap.error(f"--width {args.width} needs a continuation longer than the width; raise --max-new-tokens above "
-                 f"{args.width} or lower --width (it is {args.max_new_tokens})")
+                 f"{args.width} or lower --width (--max-new-tokens is {args.max_new_tokens})")
     if args.out is not None:  # before the measurement, not after it
         check_report_folder(args.out)
     engine = edgespec.load(args.bundle, threads=1)

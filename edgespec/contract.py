@@ -35,7 +35,11 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")  # config.js
 def seq2seq_positions(config: dict) -> int:
     """An encoder-decoder's decoder positions in its bundle (the ONNX manifest's max_positions, the
     most an XLA export may take): the config's count, else T5_MAX_POSITIONS."""
-    return next((int(config[k]) for k in POSITION_KEYS if isinstance(config.get(k), int)), T5_MAX_POSITIONS)
+    return next((int(config[k]) for k in POSITION_KEYS if _count(config.get(k))), T5_MAX_POSITIONS)
+
+
+def _count(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def rope_switch(config: dict) -> int | None:
@@ -56,7 +60,7 @@ def config_positions(config: dict, kind: str) -> int | None:
     if kind == KIND_SEQ2SEQ:
         return seq2seq_positions(config)
     for key in POSITION_KEYS:
-        if isinstance(config.get(key), int) and not isinstance(config.get(key), bool):
+        if _count(config.get(key)):
             n = int(config[key])
             return min(n, rope_switch(config) or n)
     return None

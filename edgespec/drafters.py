@@ -20,6 +20,7 @@ import numpy as np
 
 from .backend import Backend
 from .config import SamplingConfig
+from .errors import NonFiniteLogitsError
 from .sampling import argmax_token, sample_row
 
 # keep_going(i, confidence) -> bool: after drafting token i (1-based), draft another one?
@@ -243,8 +244,10 @@ class LookaheadDrafter(ModelDrafter):
 
     def _join(self) -> None:
         """Wait for the worker; its drafts become ``_ahead`` unless it was stopped. Its error is
-        raised unless it was stopped: a stopped job drafted after a prefix that did not happen (a
-        draft was rejected), which the model drafter never evaluates."""
+        raised, unless the job was stopped and the error is non-finite logits: a stopped job drafted
+        after a prefix that did not happen (a draft was rejected), which the model drafter never
+        evaluates. Any other error (a device's, or one that left the cache unusable) is the
+        draft's own, whatever the prefix, and is raised."""
         if not self._busy:
             return
         t0 = time.perf_counter()
@@ -254,7 +257,7 @@ class LookaheadDrafter(ModelDrafter):
         result, self._result = self._result, None
         if isinstance(result, BaseException):
             self._ahead = None
-            if not self._cancel:
+            if not (self._cancel and isinstance(result, NonFiniteLogitsError)):
                 raise result
             return
         self._ahead = None if self._cancel else (self._at, *result)

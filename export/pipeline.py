@@ -147,7 +147,7 @@ def _max_positions(ckpt: Checkpoint) -> int:
 def _validation_fix(quantized: bool, layout: str, role: str) -> str:
     """What to try when a graph differs from PyTorch: the options that change this export."""
     if quantized:
-        return (f"export the {role} without int8 (drop --quantize, or --quantize-{role} none) or raise "
+        return (f"export the {role} without int8 (--quantize-{role} none, or no --quantize) or raise "
                 "--quantized-atol only if you accept the error")
     if layout == contract.KV_STATIC:
         return ("try --graph optimum (optimum's traced graph instead of edgespec's static-KV one), or raise --atol "

@@ -310,6 +310,6 @@ def summarize(stages: dict, atol: float, what: str, logits_scale: float | None =
             raise ValidationError(
                 f"{what}: the quantized logits differ from PyTorch by {logits_d:.3g}, {logits_d / logits_scale:.0%} of "
                 f"the logits' range ({logits_scale:.3g}; at most {rtol:.0%} allowed): the quantized graph is broken "
-                "or this model does not survive int8; no bundle was written. Export without --quantize")
+                f"or this model does not survive int8; no bundle was written. {fix[0].upper()}{fix[1:]}")
         record.update(logits_range=logits_scale, rtol=rtol)
     return record

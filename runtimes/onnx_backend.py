@@ -190,11 +190,20 @@ def _float_type(sess, name: str):
     raise BundleError(f"unsupported KV dtype {t} for {name}; re-export the bundle in fp32")
 
 
+def quiet_run_options():
+    """RunOptions for every run: a failed run is raised as a ModelExecutionError with ORT's message
+    in it, and ORT's own log line of the same error (colored, on stderr) would print it again."""
+    import onnxruntime as ort
+
+    opts = ort.RunOptions()
+    opts.log_severity_level = 4
+    return opts
+
+
 class _Binder:
     """Thin, allocation-free access to an IOBinding: names and the CPU device are resolved once."""
 
     def __init__(self, sess, where: str = "model"):
-        import onnxruntime as ort
         from onnxruntime.capi.onnxruntime_inference_collection import OrtDevice
 
         self._where = where
@@ -204,10 +213,7 @@ class _Binder:
         self._c = self._io._iobinding
         self._run = sess._sess.run_with_iobinding
         self._dev = OrtDevice.make("cpu", 0)._get_c_device()
-        # A failed run is raised as a ModelExecutionError with ORT's message in it; ORT's own log
-        # line of the same error (colored, on stderr) would print it a second time.
-        self._opts = ort.RunOptions()
-        self._opts.log_severity_level = 4
+        self._opts = quiet_run_options()
 
     def input(self, name: str, dtype, shape: tuple, ptr: int) -> None:
         self._c.bind_input(name, self._dev, dtype, shape, ptr)
@@ -328,8 +334,12 @@ def _as_ids(ids, vocab_size: int | None = None) -> np.ndarray:
     arr = np.ascontiguousarray(ids, dtype=np.int64).reshape(1, -1)
     if arr.shape[1] == 0:
         raise InvalidArgumentError("token block is empty; pass at least one token id")
-    if vocab_size is not None and (arr.min() < 0 or arr.max() >= vocab_size):
-        raise InvalidArgumentError(f"token ids must be in [0, {vocab_size}); got min {arr.min()}, max {arr.max()}")
+    if vocab_size is not None:
+        # a draft step's block is one id: Python's min/max of a short list cost ~1 us, numpy's ~4
+        short = arr[0].tolist() if arr.shape[1] <= 64 else None
+        lo, hi = (min(short), max(short)) if short is not None else (int(arr.min()), int(arr.max()))
+        if lo < 0 or hi >= vocab_size:
+            raise InvalidArgumentError(f"token ids must be in [0, {vocab_size}); got min {lo}, max {hi}")
     return arr
 
 
@@ -344,9 +354,9 @@ def check_positions(folder: Path, model: ModelManifest) -> None:
     limit = contract.config_positions(config, model.kind) if isinstance(config, dict) else None
     if limit is not None and model.max_positions > limit:
         raise BundleError(
-            f"{path.parent}: the manifest says max_positions {model.max_positions}, but the model was exported for "
-            f"{limit} positions (its {contract.CONFIG_FILE}); restore the manifest or re-export the bundle with "
-            "`edgespec export`")
+            f"{path.parent}: the manifest says max_positions {model.max_positions}, but the model takes {limit} "
+            f"positions (its {contract.CONFIG_FILE}): the manifest was edited, or an older exporter wrote it (before "
+            "2026-11-30, a Phi-3 longrope model's limit was not applied); re-export the bundle with `edgespec export`")
 
 
 class _PositionCache:
@@ -524,6 +534,7 @@ class OnnxSeq2SeqBackend(_PositionCache):
                        required_outputs=(contract.LOGITS, *self._self_present))
         self._b0, self._b = _Binder(self._dec0, dec0_path.name), _Binder(self._dec, dec_path.name)
         self._enc_name = enc_path.name
+        self._enc_opts = quiet_run_options()
         self._len = 0
         self._ids = None
         self._enc_state = None  # (hidden, mask, cross KV arrays) of the current prompt
@@ -536,7 +547,8 @@ class OnnxSeq2SeqBackend(_PositionCache):
         # The encoder runs once per prompt; its output only feeds the first decoder call, which
         # returns the cross-attention KV reused (bound, never copied) by every later call.
         try:
-            (hidden,) = self._enc.run([contract.ENCODER_OUTPUT], {contract.ENCODER_INPUT_IDS: src, contract.ENCODER_ATTENTION_MASK: mask})
+            (hidden,) = self._enc.run([contract.ENCODER_OUTPUT], {contract.ENCODER_INPUT_IDS: src, contract.ENCODER_ATTENTION_MASK: mask},
+                                      self._enc_opts)
         except Exception as exc:
             raise ModelExecutionError(f"ONNX Runtime failed running {self._enc_name}: {_one_line(exc)}; the graph does not "
                                       "match its manifest (corrupt or hand-edited file): re-export the bundle") from exc

@@ -156,8 +156,9 @@ def test_ids_prompt_and_single_model_bundle(engines, tiny_bundle):
             no_draft.generate(PROMPT, max_new_tokens=4, drafter=drafter)
     with pytest.raises(InvalidArgumentError, match="use_draft=False decodes with the target alone, so drafter='model'"):
         eng.generate(PROMPT, max_new_tokens=4, use_draft=False, drafter="model")
-    assert eng.generate(PROMPT, max_new_tokens=4, temperature=0, drafter="model").ids == \
-        eng.generate(PROMPT, max_new_tokens=4, temperature=0).ids  # the default drafts with the model
+    for kw in ({"drafter": "model"}, {}):  # the default drafts with the model when there is one
+        out = eng.generate(PROMPT, max_new_tokens=8, temperature=0, gamma=3, **kw)
+        assert out.stats.draft_calls > 0 and out.stats.drafted > 0 and out.sources.count("target") < 8
 
 
 def test_bad_inputs(engines, tiny_bundle):

@@ -494,6 +494,22 @@ def test_an_error_in_lookahead_drafts_that_assume_a_rejected_draft_is_not_raised
         look.close()
     assert out.tokens == plain and NaNOffPath.hits > 0 and out.stats.accepted < out.stats.drafted
 
+    # Any other error there is the draft's own (a device's; one that left its cache unusable, as
+    # the XLA backend's drops it): raised, not replaced by a later error about the cache.
+    class FailsOffPath(NaNOffPath):
+        def extend(self, ids):
+            out = super().extend(ids)
+            if np.isnan(out).any():
+                raise RuntimeError("device lost")
+            return out
+
+    look = LookaheadDrafter(FailsOffPath(d.model, 256))
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            generate(SlowTarget(t.model, 256), prompt, c, np.random.default_rng(0), draft=look)
+    finally:
+        look.close()
+
 
 @pytest.mark.parametrize("where", ["before the put", "after the put", "at the thread's start"])
 def test_an_interrupt_inside_the_lookahead_launch_neither_hangs_nor_overlaps(where, monkeypatch):

@@ -244,7 +244,6 @@ def test_gamma_on_a_single_model_bundle_is_an_error(bundle_copy, capsys):
         _fails(argv + ["--draft", drafter], capsys, f"--draft {drafter} drafts with the bundle's draft model, and ")
     assert main(argv + ["--gamma", "3", "--draft", "ngram"]) == 0
     assert main(argv) == 0  # without --draft: plain decoding
-    assert main(argv) == 0
 
 
 def test_prompt_file_and_stdin(tiny_bundle, tmp_path, capsys, monkeypatch):
