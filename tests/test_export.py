@@ -407,6 +407,24 @@ def test_target_as_its_own_draft_warns(tiny_checkpoints, tmp_path):
         export_bundle(target, tmp_path / "self", draft=target, progress=None)
 
 
+def test_a_draft_with_fewer_positions_warns(tmp_path):
+    """Export said nothing when the draft took fewer positions than the target, though speculation
+    then stops there (a trial's find); the bundle is still written and decodes exactly."""
+    import warnings
+
+    from edgespec.errors import EdgeSpecWarning
+    from tiny_models import make_llama
+
+    target = make_llama(tmp_path / "t", max_positions=128, seed=1)
+    short = make_llama(tmp_path / "d", layers=1, max_positions=32, seed=2)
+    with pytest.warns(EdgeSpecWarning, match="the draft takes 32 positions and the target 128: past 32 tokens"):
+        m = export_bundle(target, tmp_path / "b", draft=short, progress=None)
+    assert m.draft.max_positions == 32 and m.target.max_positions == 128
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EdgeSpecWarning)  # the same positions: no warning
+        export_bundle(target, tmp_path / "b2", draft=make_llama(tmp_path / "d2", layers=1, seed=2), progress=None)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "t5"])
 def test_int8_target_is_causal_and_exact(tiny_checkpoints, tmp_path, arch):
     """An int8 target must stay one fixed causal model: a position's logits may not depend on the
