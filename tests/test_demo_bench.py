@@ -246,7 +246,10 @@ def test_bench_refuses_flags_that_do_nothing_and_a_draft_too_short(tiny_bundle, 
         assert needle in capsys.readouterr().err, extra
     t = make_llama(tmp_path / "t", seed=1, max_positions=128)
     d = make_llama(tmp_path / "d", seed=2, layers=1, vocab_size=80, max_positions=16)
-    export_bundle(t, tmp_path / "b", draft=d, progress=None)
+    from edgespec.errors import EdgeSpecWarning
+
+    with pytest.warns(EdgeSpecWarning, match="the draft takes 16 positions and the target 128"):  # export says so
+        export_bundle(t, tmp_path / "b", draft=d, progress=None)
     prompts = tmp_path / "p.txt"
     prompts.write_text("the cat sat on the mat and the dog sat on the log " * 2)
     assert main(["bench", str(tmp_path / "b"), "--prompts", str(prompts), *base]) == 2
