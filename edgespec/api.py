@@ -498,11 +498,11 @@ class Engine:
             max_gamma=max_gamma,
             vocab_size=self.vocab_size,
         )
-        idle = [f"{n} (CLI --{n.replace('_', '-')})" for n, on in (("top_k", top_k != 0), ("top_p", top_p != 1))
+        ignored = [f"{n} (CLI --{n.replace('_', '-')})" for n, on in (("top_k", top_k != 0), ("top_p", top_p != 1))
                 if on and config.sampling.greedy]
-        if idle:  # as Hugging Face's generate does, a warning: scripts sweep temperatures with one set of keywords
-            warnings.warn(f"{' and '.join(idle)} {'has' if len(idle) == 1 else 'have'} no effect at temperature 0: greedy "
-                          f"decoding takes the target's argmax; drop {'it' if len(idle) == 1 else 'them'} or set a temperature above 0",
+        if ignored:  # as Hugging Face's generate does, a warning: scripts sweep temperatures with one set of keywords
+            warnings.warn(f"{' and '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect at temperature 0: greedy "
+                          f"decoding takes the target's argmax; drop {'it' if len(ignored) == 1 else 'them'} or set a temperature above 0",
                           EdgeSpecWarning, stacklevel=2)
         never = [s for s in config.stop_token_ids if s >= self.vocab_size]
         if never:
