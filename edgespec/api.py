@@ -391,7 +391,8 @@ class Engine:
             raise PromptTooLongError(f"the prompt has {len(text)} characters; its first {cut} alone are {n} tokens, more "
                                      f"than the {limit} the model takes; shorten it", "prompt")
 
-    def _check_lengths(self, n_prompt: int, max_new: int, use_draft: bool) -> None:
+    def _check_lengths(self, n_prompt: int, max_new: int) -> None:
+        # the target's positions (generate checks the draft's: the default then decodes without it)
         seq2seq = self.manifest.target.kind == contract.KIND_SEQ2SEQ
         limit = self.target.max_length
         if seq2seq:  # the prompt goes to the encoder; the decoder's positions hold the start token + new tokens
@@ -412,11 +413,6 @@ class Engine:
                 f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) needs {n_prompt + max_new - 1} of the target's "
                 f"{limit} positions (the last new token is not fed back); shorten the prompt or lower max_new_tokens "
                 f"to at most {max(limit - n_prompt + 1, 0)}"
-            )
-        if use_draft and n_prompt > prompt_limit(self.draft):
-            raise PromptTooLongError(
-                f"prompt has {n_prompt} tokens but the draft model takes at most {prompt_limit(self.draft)}; "
-                "shorten the prompt or decode without the draft (use_draft=False; CLI: --no-draft)", "prompt"
             )
 
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,
@@ -467,7 +463,7 @@ class Engine:
                 f"drafter={drafter!r} drafts with the bundle's draft model, and this engine has none ("
                 + ("a single-model bundle: export one with --draft" if self.manifest.draft is None else "loaded with load_draft=False")
                 + "); use drafter='ngram' (prompt lookup, no model; CLI --draft ngram) or use_draft=False (CLI --no-draft)")
-        drafter = drafter or "model"
+        asked, drafter = drafter, drafter or "model"
         # settings that would do nothing are refused, as the CLI refuses them
         idle = [n for n, on in (("gamma", gamma is not None), ("lenience", lenience != 1)) if on]
         has = "has" if len(idle) == 1 else "have"
@@ -509,7 +505,17 @@ class Engine:
             raise InvalidArgumentError(f"stop_token_ids {never[:5]} can never be generated (this bundle's token ids are "
                                        f"< {self.vocab_size}); pass ids of its tokenizer (engine.encode(text))")
         ids = self._prompt_ids(prompt_or_ids, use_draft)
-        self._check_lengths(len(ids), max_new_tokens, use_draft)
+        self._check_lengths(len(ids), max_new_tokens)
+        if use_draft and len(ids) > prompt_limit(self.draft):
+            if asked is not None or idle:  # the draft was asked for
+                raise PromptTooLongError(
+                    f"prompt has {len(ids)} tokens but the draft model takes at most {prompt_limit(self.draft)}; "
+                    "shorten the prompt or decode without the draft (use_draft=False; CLI: --no-draft)", "prompt")
+            # The default drafts where the draft can help; a prompt longer than its positions leaves it no room.
+            warnings.warn(f"the prompt has {len(ids)} tokens and the draft model takes at most {prompt_limit(self.draft)}: "
+                          "decoding without the draft (plain speed); shorten the prompt to draft, or export a draft "
+                          "with as many positions as the target", EdgeSpecWarning, stacklevel=2)
+            use_draft = False
         rng = np.random.default_rng(seed)
         draft = NgramDrafter() if ngram else self.draft if use_draft else None
         if draft is not None and drafter == "lookahead":

@@ -352,8 +352,8 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
         tp, dp = contract.config_positions(t.config, t.kind), contract.config_positions(d.config, d.kind)
         if tp is not None and dp is not None and dp < tp:
             warnings.warn(f"the draft takes {dp} positions and the target {tp}: past {dp} tokens (prompt and output) "
-                          "generation decodes plainly, and a prompt longer than that is refused unless decoded "
-                          "without the draft; pass a draft with as many positions as the target for speculation "
+                          "generation decodes plainly (a longer prompt too, or is refused if a drafter or gamma is "
+                          "named); pass a draft with as many positions as the target for speculation "
                           "over the whole context", EdgeSpecWarning, stacklevel=2)
     layouts = {role: _kv_layout(ckpt, options) for role, ckpt in roles.items()}  # --graph refusals, before any loading
     if options.opset is not None and all(layout == contract.KV_STATIC for layout in layouts.values()):

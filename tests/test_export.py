@@ -420,6 +420,24 @@ def test_a_draft_with_fewer_positions_warns(tmp_path):
     with pytest.warns(EdgeSpecWarning, match="the draft takes 32 positions and the target 128: past 32 tokens"):
         m = export_bundle(target, tmp_path / "b", draft=short, progress=None)
     assert m.draft.max_positions == 32 and m.target.max_positions == 128
+    # A prompt longer than the draft's positions: the default decodes without the draft and says so
+    # (it used to refuse); a drafter or gamma named asks for the draft, and is refused.
+    import edgespec
+    from edgespec.errors import PromptTooLongError
+
+    eng = edgespec.load(tmp_path / "b")
+    ids = [3 + i % 50 for i in range(40)]
+    with pytest.warns(EdgeSpecWarning, match="the prompt has 40 tokens and the draft model takes at most 32: decoding without"):
+        out = eng.generate(ids, max_new_tokens=8, temperature=0)
+    assert out.stats.draft_calls == 0 and out.ids == eng.generate(ids, max_new_tokens=8, temperature=0, use_draft=False).ids
+    for kw in ({"drafter": "model"}, {"gamma": 3}):
+        with pytest.raises(PromptTooLongError, match="the draft model takes at most 32"):
+            eng.generate(ids, max_new_tokens=8, temperature=0, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EdgeSpecWarning)  # a prompt that fits: the draft, no warning
+        assert eng.generate(ids[:20], max_new_tokens=8, temperature=0).stats.draft_calls > 0
+        with pytest.raises(PromptTooLongError, match="the target has 128 positions"):  # too long for both: the target's error
+            eng.generate(ids * 4, max_new_tokens=8, temperature=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error", EdgeSpecWarning)  # the same positions: no warning
         export_bundle(target, tmp_path / "b2", draft=make_llama(tmp_path / "d2", layers=1, seed=2), progress=None)
