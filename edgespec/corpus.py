@@ -61,7 +61,7 @@ def stdlib_files() -> list[Path]:
 def _expand(paths: Sequence[os.PathLike | str]) -> list[Path]:
     files: list[Path] = []
     for raw in paths:
-        p = Path(raw)
+        p = Path(raw).expanduser()
         if not p.exists():
             raise TrainingError(f"corpus file {p} does not exist; check the path passed with --corpus")
         if p.is_dir():
@@ -120,10 +120,12 @@ def load_documents(paths: Sequence[os.PathLike | str] | None = None) -> Corpus:
         source = "files"
         explicit = True
     docs: list[str] = []
-    named = {Path(raw) for raw in paths if not Path(raw).is_dir()} if explicit else set()
+    named = {Path(raw).expanduser() for raw in paths if not Path(raw).expanduser().is_dir()} if explicit else set()
     mangled: list[Path] = []
     for p in files:
-        text = _read_text(p, strict=explicit and len(files) == 1, named=p in named, mangled=mangled if explicit else None)
+        # a binary file is refused where the user named it (or it is all there is), skipped in a folder
+        text = _read_text(p, strict=explicit and (len(files) == 1 or p in named), named=p in named,
+                          mangled=mangled if explicit else None)
         if text:  # skip empty and binary files
             docs.append(text)
     if mangled:

@@ -289,7 +289,7 @@ def continuations(target, prefixes, length: int, temperatures: Sequence[float], 
                   progress: bool = False, desc: str = "target continuations"):
     """The target's own continuations of ``prefixes`` ``[n, P]`` up to ``length`` tokens: row i is
     decoded at ``temperatures[i % len(temperatures)]`` (0: greedy; T > 0: sampled at T, no top-k/top-p).
-    Deterministic for a seed. Returns a LongTensor ``[n, length]``."""
+    Deterministic for a seed, whatever the batch size. Returns a LongTensor ``[n, length]``."""
     import torch
     from tqdm.auto import tqdm
 
@@ -300,20 +300,35 @@ def continuations(target, prefixes, length: int, temperatures: Sequence[float], 
     out = torch.empty((n, length), dtype=torch.long)                        # [n, length]
     out[:, :plen] = prefixes
     jobs = [(t, [i for i in range(n) if i % len(temperatures) == k]) for k, t in enumerate(temperatures)]
+    # A loop of our own, not the checkpoint's generate(): that one applies the checkpoint's
+    # generation_config.json (a repetition penalty, no-repeat n-grams, ...), and the engine's output
+    # is plain argmax / softmax(logits / T) sampling. Each row draws from its own generator, so a row's
+    # text does not depend on which rows share its batch.
     with tqdm(total=n, desc=desc, unit="row", dynamic_ncols=True, **bar_options(progress)) as bar, \
             torch.no_grad():
-        for k, (temp, rows) in enumerate(jobs):
+        for temp, rows in jobs:
             for j in range(0, len(rows), batch_size):
                 idx = rows[j:j + batch_size]
-                x = prefixes[idx]
-                torch.manual_seed(seed * 1_000_003 + 7919 * k + j)
-                sample = dict(do_sample=True, temperature=float(temp), top_k=0, top_p=1.0) if temp > 0 \
-                    else dict(do_sample=False)
-                y = target.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
-                                    min_new_tokens=new, pad_token_id=0, eos_token_id=None, **sample)
-                out[idx] = y[:, :length]
+                gens = [torch.Generator().manual_seed(seed * 1_000_003 + 7919 * i) for i in idx]
+                x, past = prefixes[idx], None                                   # [b, P]
+                for step in range(new):
+                    o = target(input_ids=x, past_key_values=past, use_cache=True)
+                    past = o.past_key_values
+                    logits = o.logits[:, -1].double()                           # [b, V]
+                    if temp > 0:  # inverse CDF of softmax(logits / T) at one uniform per row
+                        cdf = torch.softmax(logits / float(temp), -1).cumsum(-1)  # [b, V]
+                        u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens])  # [b]
+                        x = (cdf < (u * cdf[:, -1])[:, None]).sum(-1).clamp_(max=logits.shape[1] - 1)[:, None]
+                    else:
+                        x = logits.argmax(-1, keepdim=True)                     # [b, 1]
+                    out[idx, plen + step] = x[:, 0]
                 bar.update(len(idx))
     return out
+
+
+def _generated_rows(batch_size: int, generated: float) -> int:
+    """Rows of a batch taken from the target's continuations (the rest are corpus windows)."""
+    return int(round(batch_size * generated))
 
 
 def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps: int, batch_size: int, lr: float,
@@ -339,7 +354,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=lr, betas=(0.9, 0.95), foreach=False)
     warmup = max(1, steps // 20)
-    n_gen = int(round(batch_size * generated)) if mode is not None else 0
+    n_gen = _generated_rows(batch_size, generated) if mode is not None else 0
     if n_gen and (pool is None or pool.shape[1] != context + 1):
         raise InvalidArgumentError(f"generated > 0 needs a pool of target continuations [N, {context + 1}]")
     draft.train()
@@ -400,6 +415,9 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
         raise InvalidArgumentError(f"lr (CLI --lr) must be a finite positive number; got {lr!r}")
     if isinstance(generated, bool) or not isinstance(generated, (int, float)) or not 0 <= generated <= 1:
         raise InvalidArgumentError(f"generated (CLI --generated) must be a fraction in [0, 1]; got {generated!r}")
+    if 0 < generated and _generated_rows(batch_size, generated) == 0:
+        raise InvalidArgumentError(f"generated (CLI --generated) {generated:g} of a batch of {batch_size} rows is no row; "
+                                   f"give at least {1 / batch_size:.3g} (one row) or a larger batch_size (--batch-size)")
     check_output_folder(out_dir, overwrite, "distill.json", "a distilled draft", owned=DRAFT_FILES)
     check_writable(out_dir)
     try:
@@ -408,7 +426,9 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     except OSError:
         pass
     check_hf_folder(target_dir, "target")  # before the seconds torch and transformers take to import
-    init_type = check_hf_folder(Path(init), "init draft") if init is not None else None
+    init = Path(init).expanduser() if init is not None else None
+    init_type = check_hf_folder(init, "init draft") if init is not None else None
+    c = load_documents(corpus)  # a missing or binary file is reported before the models load
     import torch
 
     from .export.onnx_export import load_torch_model_at
@@ -443,7 +463,6 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             torch.manual_seed(seed * 100 + 3)
             init_model = grow_layers(init_model, draft_size.layers)
 
-    c = load_documents(corpus)
     special = {k: getattr(tok, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     special = {k: (int(v) if v is not None else None) for k, v in special.items()}
     if special["pad_token_id"] is None:
@@ -475,7 +494,8 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
         return {f"T{t:g}": round(measure_alpha(tmodel, m, on_target[t], t, start=plen - 1), 4) for t in (0.0, 1.0)}
 
     report: dict = {"target": str(target_dir.resolve()), "mode": mode, "steps": steps, "batch_size": batch_size, "context": ctx,
-                    "lr": lr, "generated_fraction": generated, "pool_size": pool_size if generated else 0, "seed": seed,
+                    "lr": lr, "generated_fraction": generated,
+                    "generated_rows_per_batch": _generated_rows(batch_size, generated), "pool_size": pool_size if generated else 0, "seed": seed,
                     "tokens_per_run": steps * batch_size * ctx, "corpus": c.description,
                     **({} if init is None else {"init": str(Path(init).resolve()), "init_layers": init_layers}),
                     "draft_config": {"hidden": draft_size.hidden, "layers": draft_size.layers, "heads": draft_size.heads,

@@ -1,4 +1,5 @@
-"""``edgespec train-pair``: a deterministic recipe for a Llama target and a Llama draft that share
+"""``edgespec train-pair``: a seeded recipe (deterministic kernels; bit-identical on one machine,
+torch version and thread count) for a Llama target and a Llama draft that share
 one byte-level BPE tokenizer, trained on a corpus every machine has offline (the Python standard
 library sources of the running interpreter) or on the user's own text files.
 
@@ -638,8 +639,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text files or folders to train on (default: this Python's standard library sources)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default: the cache, $EDGESPEC_CACHE/pairs/<preset>-<corpus hash>); a pair of the same recipe already there is reused")
-    parser.add_argument("--seed", type=at_least(0), default=0, help="random seed of the initial weights and batches (torch's CPU kernels are not bit-reproducible "
-                             "across runs, so weights of two runs differ slightly)")
+    parser.add_argument("--seed", type=at_least(0), default=0, help="random seed of the initial weights and batches (the same seed gives the same weights on the "
+                             "same machine, torch version and thread count; elsewhere they may differ slightly)")
     parser.add_argument("--overwrite", action="store_true", help="retrain and replace an earlier pair at --out (only a pair folder that holds nothing else)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--print-path", action="store_true",

@@ -120,7 +120,7 @@ def test_distill_cli_with_baseline(target, corpus, tmp_path, capsys):
     assert "baseline" in out and "alpha" in out and "own continuations" in out
     r = json.loads((tmp_path / "d" / "distill.json").read_text())
     assert "baseline" in r and set(r["alpha_gain_over_baseline"]) == {"T0", "T1"}
-    assert r["pool_size"] == 3 and r["generated_fraction"] == 0.5
+    assert r["pool_size"] == 3 and r["generated_fraction"] == 0.5 and r["generated_rows_per_batch"] == 2
     for key in ("alpha_on_target_before", "alpha_on_target_after"):
         assert set(r[key]) == {"T0", "T1"} and all(0 <= v <= 1 for v in r[key].values())
 
@@ -164,16 +164,26 @@ def test_continuations_are_the_targets_own_text(target):
 
     model, _ = load_target(target)
     g = torch.Generator().manual_seed(0)
-    prefixes = torch.randint(3, model.config.vocab_size, (5, 4), generator=g)
+    prefixes = torch.randint(3, model.config.vocab_size, (8, 4), generator=g)
     out = continuations(model, prefixes, 12, (0.0, 1.0), seed=3, batch_size=2)
-    assert out.shape == (5, 12) and torch.equal(out[:, :4], prefixes)
-    with torch.no_grad():
-        logits = model(input_ids=out).logits                               # [5, 12, V]
-    greedy = logits[:, 3:-1].argmax(-1)                                     # what each next token must be
-    assert torch.equal(out[0::2, 4:], greedy[0::2])                         # rows 0, 2, 4: greedy
-    assert not torch.equal(out[1::2, 4:], greedy[1::2])                     # rows 1, 3: sampled at T=1
-    assert torch.equal(continuations(model, prefixes, 12, (0.0, 1.0), seed=3), out)  # batch size does not matter
-    assert not torch.equal(continuations(model, prefixes, 12, (1.0,), seed=4)[:, 4:], out[:, 4:])
+    assert out.shape == (8, 12) and torch.equal(out[:, :4], prefixes)
+
+    def argmax_text(rows):
+        with torch.no_grad():
+            return model(input_ids=rows).logits[:, 3:-1].argmax(-1)         # [n, 8]: what each next token must be
+
+    assert torch.equal(out[0::2, 4:], argmax_text(out[0::2]))              # rows 0, 2, 4, 6: greedy
+    assert not torch.equal(out[1::2, 4:], argmax_text(out[1::2]))          # rows 1, 3, 5, 7: sampled at T=1
+    # A row's text is its own: the sampled rows span two batches of 2 here, one batch of 32 there
+    # (one generator for the whole batch made rows depend on their batch mates).
+    assert torch.equal(continuations(model, prefixes, 12, (0.0, 1.0), seed=3, batch_size=32), out)
+    other = continuations(model, prefixes, 12, (0.0, 1.0), seed=4)
+    assert torch.equal(other[0::2], out[0::2]) and not torch.equal(other[1::2], out[1::2])  # the seed moves samples only
+    cold = continuations(model, prefixes, 12, (1e-3,), seed=3)             # sampling at T -> 0 is argmax
+    assert torch.equal(cold[:, 4:], argmax_text(cold))
+    # The checkpoint's generation_config.json does not apply: the engine decodes without it.
+    model.generation_config.repetition_penalty, model.generation_config.no_repeat_ngram_size = 1.3, 2
+    assert torch.equal(continuations(model, prefixes, 12, (0.0, 1.0), seed=3), out)
 
 
 def test_bad_targets(target, corpus, tmp_path):
@@ -235,6 +245,10 @@ def test_pool_size_without_generated_is_an_error(target, tmp_path, capsys):
     assert main(["distill", "--target", str(target), "--out", str(tmp_path / "d"), "--pool-size", "3"]) == 2
     err = capsys.readouterr().err
     assert "add --generated FRACTION or drop --pool-size" in err and not (tmp_path / "d").exists()
+    # a fraction that rounds to no row of the batch did nothing, while the report said it was used
+    assert main(["distill", "--target", str(target), "--out", str(tmp_path / "d"), "--generated", "0.02"]) == 2
+    err = capsys.readouterr().err
+    assert "--generated) 0.02 of a batch of 16 rows is no row; give at least 0.0625" in err and not (tmp_path / "d").exists()
 
 
 def test_bad_sizes():

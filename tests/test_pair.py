@@ -182,7 +182,7 @@ def test_overwrite_without_out_is_an_error(capsys):
     assert "--overwrite replaces an --out folder" in capsys.readouterr().err
 
 
-def test_bad_corpus(tmp_path):
+def test_bad_corpus(tmp_path, monkeypatch):
     with pytest.raises(TrainingError, match="does not exist"):
         train_pair("tiny", [tmp_path / "missing.txt"], tmp_path / "o", progress=False)
     empty = tmp_path / "empty.txt"
@@ -208,6 +208,18 @@ def test_bad_corpus(tmp_path):
     with pytest.warns(EdgeSpecWarning, match=r"1 corpus file\(s\) found in the folders given are not UTF-8 text"):
         docs = load_documents([folder])
     assert "caf\ufffd au lait" in "".join(docs.train_docs + docs.heldout_docs)
+    # a binary file named beside others is refused as when named alone (it was dropped silently); in a folder it is skipped
+    binary = tmp_path / "data.bin"
+    binary.write_bytes(b"\x00\x01" * 100)
+    for named in ([binary], [binary, small, folder / "b.txt"]):
+        with pytest.raises(TrainingError, match="data.bin is binary"):
+            load_documents(named)
+    binary.rename(folder / "data.bin")
+    with pytest.warns(EdgeSpecWarning):  # (a.txt's)
+        docs = load_documents([folder])
+    assert len(docs.train_docs + docs.heldout_docs) == 2
+    monkeypatch.setenv("HOME", str(tmp_path))  # ~ is the user's folder (it was read as a folder named ~)
+    assert load_documents(["~/folder/b.txt"]).description == load_documents([folder / "b.txt"]).description
 
 
 def test_bad_sizes():
