@@ -332,7 +332,7 @@ def validate_xla(checkpoint_dir: Path, folder: Path, seq2seq: bool, platforms: S
     if not np.isfinite(worst_d) or worst_d > atol:
         raise ValidationError(
             f"{checkpoint_dir}: the XLA artifacts' logits ({worst}) differ from PyTorch by {worst_d:.3g} "
-            f"(tolerance {atol:g}); nothing was written. The XLA path re-implements the architecture in "
+            f"(tolerance {atol:g}); nothing was written.{validate.rounding_hint('logits', worst_d, validate.logits_range(ref))} The XLA path re-implements the architecture in "
             "JAX: if the difference is numerical noise (a deep fp32 model), raise --atol; otherwise it reads this "
             "config differently: export ONNX only (`edgespec export` without --format onnx+xla) and report the "
             "model's config.json")

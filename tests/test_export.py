@@ -407,6 +407,29 @@ def test_target_as_its_own_draft_warns(tiny_checkpoints, tmp_path):
         export_bundle(target, tmp_path / "self", draft=target, progress=None)
 
 
+def test_large_logits_failing_validation_are_called_rounding(tmp_path):
+    """A model with large logits fails --atol by float32 rounding alone (a trial's T5 with logits up
+    to 231 differed by 6.4e-3 and decoded token-identically); the message said to try another graph or
+    opset. It now says what the difference is against the logits' range and which --atol accepts it."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    from edgespec.errors import ValidationError
+    from tiny_models import make_llama
+
+    t = make_llama(tmp_path / "t", seed=1)
+    w = load_file(t / "model.safetensors")
+    w["lm_head.weight"] = w["lm_head.weight"] * 90000  # logits of order 1e4: a float32 ulp is ~1e-3
+    save_file(w, t / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValidationError, match=r"of the logits' range .*: float32 rounding .* --atol \S+ accepts it") as exc:
+        export_bundle(t, tmp_path / "b", progress=None)
+    assert "--graph optimum" not in str(exc.value) and not (tmp_path / "b").exists()
+    atol = float(re.search(r"--atol (\S+) accepts", str(exc.value)).group(1))
+    m = export_bundle(t, tmp_path / "b", options=ExportOptions(atol=atol), progress=None)
+    assert m.target.validation["fp32"]["max_abs_diff"] <= atol
+
+
 def test_a_draft_with_fewer_positions_warns(tmp_path):
     """Export said nothing when the draft took fewer positions than the target, though speculation
     then stops there (a trial's find); the bundle is still written and decodes exactly."""
