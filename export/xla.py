@@ -23,6 +23,7 @@ import math
 import shutil
 import tempfile
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgespec import contract
-from edgespec.errors import InvalidArgumentError, OutputExistsError
+from edgespec.errors import EdgeSpecWarning, InvalidArgumentError, OutputExistsError
 from edgespec.outputs import OwnedNames, check_output_folder, check_writable, swap_into_place, usual_permissions
 
 FORMAT = "edgespec-xla"
@@ -106,6 +107,12 @@ def check_xla_options(checkpoint_dir: str | Path, platforms: Sequence[str] = ("c
                                        "(--max-length), the tokens the artifacts' buffers hold; use buckets of at most "
                                        f"{max_length}, or raise --max-length")
     E = _check_int("max_source_length (--max-source-length)", 512 if max_source_length is None else max_source_length, 1)
+    if spec.encoder_decoder and max_source_length is None:
+        # one encoder bucket: every prompt is padded to it, and every decoder step attends over it
+        warnings.warn("the XLA encoder is compiled for one prompt length, 512 tokens by default: every prompt pays for "
+                      "512 encoder positions and each decoder step attends over them (a trial's tiny T5: 15x the "
+                      "prefill and 2x the step time of --max-source-length 32); pass --max-source-length with your "
+                      "longest prompt", EdgeSpecWarning, stacklevel=2)
     if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol) or atol <= 0:
         raise InvalidArgumentError(f"atol must be a finite number > 0; got {atol!r}")
     return {"platforms": platforms, "max_length": max_length, "verify_width": verify_width, "widths": widths,

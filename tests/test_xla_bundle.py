@@ -76,6 +76,17 @@ def test_t5_engine_takes_prompts_up_to_the_encoder_length(tiny_checkpoints, tmp_
         assert eng.generate(prompt, max_new_tokens=8, temperature=0).ids == plain
         with pytest.raises(PromptTooLongError, match="encoder takes at most 40"):
             eng.generate(prompt * 2, max_new_tokens=8, temperature=0)
+    # left to its default, the one encoder bucket is 512 tokens long, which every prompt pays for (a trial's find)
+    from edgespec.errors import EdgeSpecWarning
+    from edgespec.export.xla import check_xla_options
+
+    with pytest.warns(EdgeSpecWarning, match="512 tokens by default.*pass --max-source-length"):
+        assert check_xla_options(t, max_length=16, verify_width=4)["max_source_length"] == 512
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EdgeSpecWarning)
+        check_xla_options(t, max_length=16, verify_width=4, max_source_length=40)
 
 
 def test_generate_cli_xla_and_missing_artifacts(xla_bundle, tiny_bundle, capsys):
