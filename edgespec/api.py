@@ -355,6 +355,9 @@ class Engine:
             ids = self.encode(prompt)
             if not ids:
                 raise InvalidArgumentError(f"the prompt {prompt[:40]!r} encodes to no tokens with this bundle's tokenizer; use other text")
+        elif isinstance(prompt, (bytes, bytearray, memoryview)):  # (numpy would read bytes as one scalar)
+            raise InvalidArgumentError(f"the prompt is {type(prompt).__name__}; pass text (a str: decode it first, e.g. "
+                                       "prompt.decode('utf-8')) or a sequence of token ids")
         else:
             try:
                 arr = np.asarray(prompt)
@@ -586,6 +589,10 @@ def gamma_bound(fixed_gammas: Sequence[int], width: int | None, name: str = "gam
     if width is None:
         return bound
     wide = max(fixed_gammas, default=0)
+    if wide > width - 1 and width <= 1:  # "gamma <= 0" is no advice
+        raise InvalidArgumentError(
+            f"this bundle's XLA artifacts verify one token per call (verify_width={width}): no room for a draft token, "
+            f"so {name}={wide} cannot run; re-export with `--verify-width {wide + 1}` or decode without the draft")
     if wide > width - 1:
         raise InvalidArgumentError(
             f"{name}={wide} exceeds what this bundle's XLA artifacts verify in one call (verify_width={width}, "

@@ -5,6 +5,7 @@ setting of a temperature runs side by side, prompt by prompt)."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -224,7 +225,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"T={v['temperature']:g}{lenient} {v['draft']}: adaptive gamma / best static gamma ({v['best_static_gamma']}) "
               f"= {v['adaptive_over_best_static']:.3f} {iqr} (speculative tokens/s, same run)")
     for r in rows:
-        if r["gamma"] is None and r["plain_step_share"] > 0.05:
+        if r["gamma"] is None and math.isnan(r["alpha"]):  # NaN: no drafted round (each first token is the prefill's)
+            print(f"{r['setting']}: no round was drafted: after each prompt's first token, every token came from plain "
+                  "target steps (the adaptive policy found them faster); the theory columns are empty")
+        elif r["gamma"] is None and r["plain_step_share"] > 0.05:
             why = ("the adaptive policy found faster than drafted rounds here" if r["draft"] != "ngram" else
                    "lookups that found nothing, or that the adaptive policy found faster than drafted rounds")
             print(f"{r['setting']}: {r['plain_step_share']:.0%} of the tokens came from plain target steps ({why}; the "

@@ -84,6 +84,9 @@ class BundleManifest:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "edgespec.json") -> "BundleManifest":
         version = data.get("schema_version")
+        if isinstance(version, str) and version.strip().isdigit():  # "1" is not 1 (a hand edit, another writer)
+            raise BundleError(f"{where}: schema_version is the string {version!r}; it must be the integer {version.strip()} "
+                              "(no quotes): fix the file or re-export the bundle (`edgespec export ...`)")
         if version not in contract.SUPPORTED_SCHEMA_VERSIONS:
             raise BundleError(
                 f"{where}: manifest schema version {version!r} is not supported by this edgespec "

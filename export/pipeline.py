@@ -349,6 +349,11 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
             warnings.warn("the draft is the target itself: every draft token is kept, but each costs a full target "
                           "step, so speculation is slower than plain decoding; pass a smaller draft",
                           EdgeSpecWarning, stacklevel=2)
+        ts, ds = t.config.get("decoder_start_token_id"), d.config.get("decoder_start_token_id")
+        if t.kind == contract.KIND_SEQ2SEQ and d.kind == contract.KIND_SEQ2SEQ and ts != ds:
+            warnings.warn(f"the draft's decoder starts from token {ds} and the target's from {ts}: the draft guesses "
+                          "after another start (the output stays exact; fewer drafts may be kept): pass a draft that "
+                          f"starts from token {ts} (decoder_start_token_id)", EdgeSpecWarning, stacklevel=2)
         tp, dp = contract.config_positions(t.config, t.kind), contract.config_positions(d.config, d.kind)
         if tp is not None and dp is not None and dp < tp:
             warnings.warn(f"the draft takes {dp} positions and the target {tp}: past {dp} tokens (prompt and output) "

@@ -169,6 +169,13 @@ def test_bad_inputs(engines, tiny_bundle):
         eng.generate("   ")
     with pytest.raises(InvalidArgumentError, match="can never be generated"):
         eng.generate(PROMPT, stop_token_ids=[eng.vocab_size])
+    with pytest.raises(InvalidArgumentError, match=r"the prompt is bytes; pass text \(a str: decode it first"):
+        eng.generate(b"the quick")  # said "prompt ids must be a non-empty 1-D sequence of integers"
+    from edgespec.api import gamma_bound  # an XLA bundle of verify width 1 has no room for a draft at all
+    with pytest.raises(InvalidArgumentError, match=r"verify one token per call \(verify_width=1\): no room for a draft"):
+        gamma_bound([1], 1)
+    with pytest.raises(InvalidArgumentError, match="so gamma <= 3"):
+        gamma_bound([5], 4)
     # numpy scalars are numbers like any other; "auto" is adaptive gamma, as on the command line
     a = eng.generate(PROMPT, max_new_tokens=np.int64(6), temperature=np.float32(0.7), top_k=np.int64(5),
                      top_p=np.float64(0.9), gamma=np.int64(2), seed=np.int64(3), stop_token_ids=[np.int64(eng.vocab_size - 1)])

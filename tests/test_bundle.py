@@ -37,6 +37,10 @@ def test_unknown_schema_version(bundle_copy):
     (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
     with pytest.raises(BundleError, match=r"version 99.*supported: 1.*re-export"):
         load_bundle(b)
+    data["schema_version"] = "1"  # a string: said "version '1' is not supported (supported: 1)"
+    (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(BundleError, match=r"schema_version is the string '1'; it must be the integer 1 \(no quotes\)"):
+        load_bundle(b)
 
 
 def test_malformed_manifest(bundle_copy):

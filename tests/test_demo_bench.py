@@ -90,6 +90,19 @@ def test_bench_lookahead_drafter_side_by_side(tiny_bundle, tmp_path, capsys):
     assert "--draft takes" in capsys.readouterr().err
 
 
+def test_bench_says_when_no_round_was_drafted(tiny_bundle, tmp_path, capsys, monkeypatch):
+    """Where the adaptive policy took plain steps throughout, bench said "85% of the tokens came from
+    plain target steps (...; the theory columns describe the drafted rounds)": there were none (the
+    other 15% were each prompt's first token)."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    monkeypatch.setattr(AdaptiveGamma, "draft_next", lambda self: False)
+    assert main(["bench", str(tiny_bundle("llama")), "--gammas", "2,auto", "--temperatures", "0", "--repeats", "1",
+                 "--max-new-tokens", "6", "--quiet", "--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "gamma=auto T=0: no round was drafted" in out and "% of the tokens came from plain" not in out, out
+
+
 def test_settings_run_side_by_side_with_a_shared_plain_run(monkeypatch):
     """run_settings: per prompt, one plain run and every setting of the same sampling back to
     back, the order rotating; one plain tokens/s per repeat shared by the group; ratios same-run."""

@@ -407,6 +407,34 @@ def test_target_as_its_own_draft_warns(tiny_checkpoints, tmp_path):
         export_bundle(target, tmp_path / "self", draft=target, progress=None)
 
 
+def test_a_t5_draft_with_another_start_token_warns(tiny_checkpoints, tmp_path, monkeypatch):
+    """A T5 draft whose decoder starts from another token than the target's exported silently (a
+    trial: alpha 0.50 against 0.625); the output stays exact, so export warns."""
+    import warnings
+
+    from edgespec.errors import EdgeSpecWarning
+    from edgespec.export import pipeline
+
+    target, draft = tiny_checkpoints("t5")
+    other = tmp_path / "draft"
+    shutil.copytree(draft, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["decoder_start_token_id"] = 3
+    (other / "config.json").write_text(json.dumps(cfg))
+
+    def stop(*a, **k):
+        raise RuntimeError("checks done")
+
+    monkeypatch.setattr(pipeline, "_export_one", stop)
+    with pytest.warns(EdgeSpecWarning, match="the draft's decoder starts from token 3 and the target's from 0"):
+        with pytest.raises(RuntimeError, match="checks done"):
+            export_bundle(target, tmp_path / "b", draft=other, progress=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EdgeSpecWarning)
+        with pytest.raises(RuntimeError, match="checks done"):
+            export_bundle(target, tmp_path / "b", draft=draft, progress=None)
+
+
 def test_large_logits_failing_validation_are_called_rounding(tmp_path):
     """A model with large logits fails --atol by float32 rounding alone (a trial's T5 with logits up
     to 231 differed by 6.4e-3 and decoded token-identically); the message said to try another graph or
