@@ -401,8 +401,11 @@ class Engine:
         if seq2seq:  # the prompt goes to the encoder; the decoder's positions hold the start token + new tokens
             encoder = prompt_limit(self.target)
             if n_prompt > encoder:
-                raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most {encoder}; shorten it",
-                                         "prompt")
+                more = ("re-export with a larger --max-source-length" if hasattr(self.target, "max_prompt_length") else
+                        "re-export with a larger n_positions in the checkpoint's config.json: T5's relative attention "
+                        "takes longer inputs, and the export copies that count")  # (XLA's encoder has one compiled length)
+                raise PromptTooLongError(f"prompt has {n_prompt} tokens but the encoder takes at most {encoder}; shorten it "
+                                         f"(or {more})", "prompt")
             if max_new > limit:
                 raise PromptTooLongError(f"max_new_tokens ({max_new}) exceeds the decoder's {limit} positions (the prompt "
                                          f"does not count: it goes to the encoder); lower max_new_tokens to at most {limit}",

@@ -82,12 +82,38 @@ def test_prompt_exactly_at_the_position_limit(engine, tiny_bundle, capsys):
     cli_fails(gen_argv(b, "--max-new-tokens", "100", prompt=" ".join(["fox"] * 60)), capsys, "at most 69")
 
 
+def test_t5_takes_longer_prompts_when_its_config_says_so(tmp_path):
+    """The seq2seq limit message says a larger n_positions in config.json lets a T5 take longer
+    prompts (relative attention has no position table): exported so, it matches PyTorch past 512."""
+    import json
+
+    import numpy as np
+    import torch
+    from transformers import T5ForConditionalGeneration
+
+    from edgespec.export.pipeline import export_bundle
+    from tiny_models import make_t5
+
+    t = make_t5(tmp_path / "t", seed=1)
+    cfg = json.loads((t / "config.json").read_text())
+    cfg["n_positions"] = 700
+    (t / "config.json").write_text(json.dumps(cfg))
+    export_bundle(t, tmp_path / "b", progress=None)
+    eng = load(tmp_path / "b", threads=1)
+    ids = [int(x) for x in np.random.default_rng(0).integers(4, 59, size=640)]
+    got = np.stack([eng.target.prefill(np.array(ids)), *eng.target.extend(np.array([5, 7]))])   # [3, V]
+    with torch.no_grad():
+        ref = T5ForConditionalGeneration.from_pretrained(t).eval()(
+            input_ids=torch.tensor([ids]), decoder_input_ids=torch.tensor([[0, 5, 7]])).logits[0].numpy()
+    assert np.abs(got[:, :ref.shape[1]] - ref).max() < 1e-4
+
+
 def test_seq2seq_prompt_limit(tiny_bundle, capsys):
     eng = load(tiny_bundle("t5"), threads=1)
     limit = eng.target.max_length
     assert len(eng.generate([5] * limit, max_new_tokens=2, temperature=0).ids) <= 2
-    with pytest.raises(PromptTooLongError, match="encoder takes at most"):
-        eng.generate([5] * (limit + 1), max_new_tokens=2)
+    with pytest.raises(PromptTooLongError, match="encoder takes at most .*a larger n_positions in the checkpoint's config"):
+        eng.generate([5] * (limit + 1), max_new_tokens=2)  # (relative attention: the count is the only limit)
     with pytest.raises(PromptTooLongError, match="decoder's .* positions .*the prompt does not count") as info:
         eng.generate([5] * 4, max_new_tokens=limit + 1)
     assert "shorten the prompt" not in str(info.value)

@@ -74,7 +74,7 @@ def test_t5_engine_takes_prompts_up_to_the_encoder_length(tiny_checkpoints, tmp_
         prompt = [int(x) for x in np.random.default_rng(0).integers(4, 59, size=30)]
         plain = eng.generate(prompt, max_new_tokens=8, temperature=0, use_draft=False).ids
         assert eng.generate(prompt, max_new_tokens=8, temperature=0).ids == plain
-        with pytest.raises(PromptTooLongError, match="encoder takes at most 40"):
+        with pytest.raises(PromptTooLongError, match="encoder takes at most 40; shorten it .*larger --max-source-length"):
             eng.generate(prompt * 2, max_new_tokens=8, temperature=0)
     # left to its default, the one encoder bucket is 512 tokens long, which every prompt pays for (a trial's find)
     from edgespec.errors import EdgeSpecWarning
