@@ -96,23 +96,24 @@ def check_xla_options(checkpoint_dir: str | Path, platforms: Sequence[str] = ("c
     if max_source_length is not None and not spec.encoder_decoder:
         raise InvalidArgumentError(f"max_source_length (--max-source-length) sizes a T5 encoder; {checkpoint_dir} is a "
                                    "decoder-only model (its prompt shares max_length): drop it")
-    if prefill_buckets and spec.encoder_decoder:
-        raise InvalidArgumentError(f"prefill buckets (--prefill-buckets) are for decoder-only models; {checkpoint_dir} is "
-                                   "an encoder-decoder (its prompt goes to the encoder: --max-source-length): drop them")
-    buckets: list[int] = []
-    if not spec.encoder_decoder:
-        buckets = sorted({_check_int("a prefill bucket (--prefill-buckets)", b, 1) for b in (prefill_buckets or _default_buckets(max_length))})
-        if buckets[-1] > max_length:
-            raise InvalidArgumentError(f"prefill bucket {buckets[-1]} (--prefill-buckets) exceeds max_length={max_length} "
-                                       "(--max-length), the tokens the artifacts' buffers hold; use buckets of at most "
-                                       f"{max_length}, or raise --max-length")
     E = _check_int("max_source_length (--max-source-length)", 512 if max_source_length is None else max_source_length, 1)
+    # Decoder-only: padded prompt sizes of the prefill, within the KV buffer. T5: of the encoder, up to
+    # max_source_length (each encoder bucket pads its cross KV to E, so the decoder steps are shared).
+    top, flag, holds = ((E, "--max-source-length", "max_source_length={} (--max-source-length), the longest prompt the encoder takes")
+                        if spec.encoder_decoder else
+                        (max_length, "--max-length", "max_length={} (--max-length), the tokens the artifacts' buffers hold"))
+    buckets = sorted({_check_int("a prefill bucket (--prefill-buckets)", b, 1) for b in (prefill_buckets or _default_buckets(top))})
+    if buckets[-1] > top:
+        raise InvalidArgumentError(f"prefill bucket {buckets[-1]} (--prefill-buckets) exceeds {holds.format(top)}; use "
+                                   f"buckets of at most {top}, or raise {flag}")
+    if spec.encoder_decoder:
+        buckets = sorted(set(buckets) | {E})  # the longest prompt has a bucket
     if spec.encoder_decoder and max_source_length is None:
-        # one encoder bucket: every prompt is padded to it, and every decoder step attends over it
-        warnings.warn("the XLA encoder is compiled for one prompt length, 512 tokens by default: every prompt pays for "
-                      "512 encoder positions and each decoder step attends over them (a trial's tiny T5: 15x the "
-                      "prefill and 2x the step time of --max-source-length 32); pass --max-source-length with your "
-                      "longest prompt", EdgeSpecWarning, stacklevel=2)
+        # every decoder step attends over the E encoder positions (masked past the prompt)
+        warnings.warn("the XLA encoder takes prompts of up to 512 tokens by default, and each decoder step attends over "
+                      "all 512 positions, whatever the prompt's length (a trial's tiny T5 stepped 2x slower than with "
+                      "--max-source-length 32); pass --max-source-length with your longest prompt", EdgeSpecWarning,
+                      stacklevel=2)
     if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol) or atol <= 0:
         raise InvalidArgumentError(f"atol must be a finite number > 0; got {atol!r}")
     return {"platforms": platforms, "max_length": max_length, "verify_width": verify_width, "widths": widths,
@@ -222,13 +223,14 @@ def _write_xla(dest: Path, checkpoint_dir: Path, spec, params, platforms: list[s
         E = max_source_length
         cross_sh = (spec.n_layers, 1, spec.kv_heads, E, spec.head_dim)
         cross_aval = (jax.ShapeDtypeStruct(cross_sh, f32),) * 2
-        emit("encode", E, partial(xm.t5_encode, spec, max_length),
-             (p_avals, jax.ShapeDtypeStruct((E,), i32), scalar))
+        for b in prefill_buckets:  # encoder buckets, the largest E; each pads its cross KV to E
+            emit("encode", b, partial(xm.t5_encode, spec, max_length, out_len=E),
+                 (p_avals, jax.ShapeDtypeStruct((b,), i32), scalar))
         for k in widths:
             emit("extend", k, partial(xm.t5_step, spec),
                  (p_avals, kv_aval, cross_aval, scalar, jax.ShapeDtypeStruct((k,), i32), scalar))
         extra = {"max_source_length": E, "cross_kv_shape": list(cross_sh)}
-        buckets: list[int] = []
+        buckets = prefill_buckets
     else:
         buckets = prefill_buckets
         for b in buckets:
@@ -372,8 +374,9 @@ def add_xla_arguments(parser: argparse.ArgumentParser, title: str = "XLA export 
         help="static KV buffer length in tokens (prompt + generated); default min(model positions, 2048), T5: 512")
     add("--verify-width", type=int, default=None, help="widest verify block, max gamma + 1 (default 9)")
     add("--prefill-buckets", type=_parse_ints, default=None,
-        help="padded prompt sizes for prefill, e.g. 16,64,256 (default: 16,64,256,1024 below max-length, plus max-length)")
-    add("--max-source-length", type=int, default=None, help="T5: longest prompt (encoder bucket), default 512")
+        help="padded prompt sizes for prefill, e.g. 16,64,256 (default: 16,64,256,1024 below max-length, plus max-length; "
+             "T5: the encoder's, below and up to --max-source-length)")
+    add("--max-source-length", type=int, default=None, help="T5: longest prompt (the largest encoder bucket), default 512")
     add("--overwrite", action="store_true", help="replace an existing xla/ folder")
     add("--atol", type=float, default=None,
         help="largest logit difference from PyTorch allowed when the cpu artifacts are checked (default 1e-3)")

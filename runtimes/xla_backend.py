@@ -289,14 +289,15 @@ class XlaBackend:
         n = a.size
         self.free()
         if self.is_encoder_decoder:
-            E = max(self._encode)
+            E = max(self._encode)  # the longest prompt; the smallest bucket that holds this one runs
             if n > E:
                 raise PromptTooLongError(
                     f"the prompt has {n} tokens but the T5 encoder was exported for at most {E}; shorten it or "
                     f"re-export with a larger --max-source-length (e.g. --max-source-length {max(n, 2 * E)})", "prompt")
-            buf = np.zeros(E, np.int32)
+            size = min(b for b in self._encode if b >= n)
+            buf = np.zeros(size, np.int32)
             buf[:n] = a
-            self._cross, self._kv = self._encode[E](self._params, self._put(buf), np.int32(n))
+            self._cross, self._kv = self._encode[size](self._params, self._put(buf), np.int32(n))
             self._enc_len = np.int32(n)
             self._length = 0
             return self._run(np.array([self.decoder_start_token_id], np.int32))[0]

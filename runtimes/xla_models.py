@@ -486,8 +486,10 @@ def _t5_ff(spec: ModelSpec, p, pre, h):
     return _mm(g, p[pre + "wo.weight"].T)
 
 
-def t5_encode(spec: ModelSpec, max_len: int, p, ids, n):
-    """ids [E] int32 (padded), n = real length -> (cross (K, V) [L, 1, H, E, dh], fresh self KV [L, 1, H, M, dh])."""
+def t5_encode(spec: ModelSpec, max_len: int, p, ids, n, out_len: int | None = None):
+    """ids [E] int32 (padded), n = real length -> (cross (K, V) [L, 1, H, out_len, dh], fresh self KV [L, 1, H, M, dh]).
+    ``out_len`` (default E): the cross KV is zero-padded to it, so that one decoder step artifact serves
+    encoder buckets of every size (the step masks encoder positions >= n)."""
     jnp = _jnp()
     E = ids.shape[0]
     H, dh = spec.n_heads, spec.head_dim
@@ -510,7 +512,8 @@ def t5_encode(spec: ModelSpec, max_len: int, p, ids, n):
         pre = f"decoder.block.{i}.layer.1.EncDecAttention."
         ck.append(_heads(_mm(x, p[pre + "k.weight"].T), H, dh))
         cv.append(_heads(_mm(x, p[pre + "v.weight"].T), H, dh))
-    cross = (jnp.stack(ck)[:, None], jnp.stack(cv)[:, None])
+    pad = ((0, 0), (0, 0), (0, 0), (0, (out_len or E) - E), (0, 0))
+    cross = (jnp.pad(jnp.stack(ck)[:, None], pad), jnp.pad(jnp.stack(cv)[:, None], pad))
     return cross, init_kv(spec, max_len)
 
 

@@ -70,12 +70,24 @@ def test_t5_engine_takes_prompts_up_to_the_encoder_length(tiny_checkpoints, tmp_
 
     t, d = tiny_checkpoints("t5")
     export_bundle(t, tmp_path / "b", draft=d, progress=None, xla=dict(max_length=16, verify_width=4, max_source_length=40))
+    prompt = [int(x) for x in np.random.default_rng(0).integers(4, 59, size=30)]
+    with load(tmp_path / "b") as onnx:  # the reference: the ONNX graphs of the same bundle
+        want = {n: onnx.target.prefill(np.array(prompt[:n])) for n in (5, 16, 17, 30)}
     with load(tmp_path / "b", runtime="xla") as eng:
-        prompt = [int(x) for x in np.random.default_rng(0).integers(4, 59, size=30)]
         plain = eng.generate(prompt, max_new_tokens=8, temperature=0, use_draft=False).ids
         assert eng.generate(prompt, max_new_tokens=8, temperature=0).ids == plain
         with pytest.raises(PromptTooLongError, match="encoder takes at most 40; shorten it .*larger --max-source-length"):
             eng.generate(prompt * 2, max_new_tokens=8, temperature=0)
+        # encoder buckets (default: 16 and the longest, 40): a short prompt runs the small one, whose
+        # cross KV is padded to 40 for the shared decoder steps; the logits are the ONNX graphs'
+        assert sorted(eng.target._encode) == [16, 40]
+        ran = []
+        for size, fn in list(eng.target._encode.items()):
+            eng.target._encode[size] = lambda *a, _f=fn, _s=size: ran.append(_s) or _f(*a)
+        for n, ref in want.items():
+            got = eng.target.prefill(np.array(prompt[:n]))
+            assert np.abs(got - ref).max() < 1e-4, n
+        assert ran == [16, 16, 40, 40]
     # left to its default, the one encoder bucket is 512 tokens long, which every prompt pays for (a trial's find)
     from edgespec.errors import EdgeSpecWarning
     from edgespec.export.xla import check_xla_options
