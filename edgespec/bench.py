@@ -5,19 +5,22 @@ setting of a temperature runs side by side, prompt by prompt)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
+import shlex
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import __version__
 from .backend import prompt_limit
 from .config import SamplingConfig
 from .errors import InvalidArgumentError, PromptTooLongError
 from .cli import at_least
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
-from .report import OtherLoad, format_table, machine_description, plot, warn_if_busy, write_json
+from .report import OtherLoad, format_table, machine_description, plot, source_commit, warn_if_busy, write_json
 
 
 @dataclass
@@ -47,14 +50,15 @@ def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), t
     eng = engine or load(bundle, providers=providers, threads=threads, draft_threads=draft_threads,
                          spinning=spinning, runtime=runtime, platform=platform, huge_pages=huge_pages)
     target, draft, tokenizer, manifest = eng.target, eng.draft, eng.tokenizer, eng.manifest
-    t = manifest.target
-    wrap_t = ReadCounter(target, int(t.parameter_bytes.get("per_forward", t.parameter_bytes.get("total", 0))),
-                         kv_bytes_per_token(t))
-    wrap_d = None
-    if draft is not None:
-        d = manifest.draft
-        wrap_d = ReadCounter(draft, int(d.parameter_bytes.get("per_forward", d.parameter_bytes.get("total", 0))),
-                             kv_bytes_per_token(d))
+
+    def counter(backend, model):
+        if runtime == "xla":  # the artifacts' own (fp32) weights, and attention over the whole static buffer
+            return ReadCounter(backend, backend.parameter_bytes, kv_bytes_per_token(model), backend.max_length)
+        return ReadCounter(backend, int(model.parameter_bytes.get("per_forward", model.parameter_bytes.get("total", 0))),
+                           kv_bytes_per_token(model))
+
+    wrap_t = counter(target, manifest.target)
+    wrap_d = counter(draft, manifest.draft) if draft is not None else None
     return OpenedBundle(wrap_t, wrap_d, tokenizer, manifest, runtime, eng.verify_width())
 
 
@@ -91,7 +95,8 @@ def build_grid(gammas, temperatures, top_k: int, top_p: float, lenience, drafts)
         for t in temperatures:
             sampling = SamplingConfig(t, top_k, top_p)
             for g in gammas:
-                for l in lenience:
+                # greedy keeps a draft iff it is the target's argmax, whatever l: one setting, not copies
+                for l in ([1.0] if sampling.greedy else lenience):
                     grid.append(Setting(g, sampling, l, draft))
     return grid
 
@@ -157,8 +162,14 @@ def run(args: argparse.Namespace) -> int:
     from .generate_cli import refuse_ort_flags
     from .outputs import check_report_folder
 
-    grid = build_grid(parse_list(args.gammas, _gamma, "gammas"), parse_list(args.temperatures, float, "temperatures"),
-                      args.top_k, args.top_p, parse_list(args.lenience, float, "lenience"),
+    temperatures, leniences = parse_list(args.temperatures, float, "temperatures"), parse_list(args.lenience, float, "lenience")
+    bad = [x for x in leniences if not 0 < x <= 1]
+    if bad:
+        raise InvalidArgumentError(f"--lenience takes values in (0, 1] (Appendix A.5; 1 = exact); got {bad[0]:g}")
+    if 0.0 in temperatures and min(leniences) < 1:
+        print("[note: lenience has no effect at temperature 0 (a draft is kept iff it is the target's argmax): T=0 runs "
+              "at l=1 only]", file=sys.stderr)
+    grid = build_grid(parse_list(args.gammas, _gamma, "gammas"), temperatures, args.top_k, args.top_p, leniences,
                       parse_list(args.draft, str, "draft"))
     for s in grid:
         if s.draft not in DRAFTERS:
@@ -187,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
     max_gamma = gamma_bound([], ob.verify_width)
     if ob.draft is None and any(s.draft != "ngram" for s in grid):
         raise InvalidArgumentError(f"{args.bundle} has no draft model; export one with --draft, or use --draft ngram")
-    prompts = [ob.tokenizer.encode(p).ids for p in read_prompts(args.prompts)]
+    texts = read_prompts(args.prompts)
+    prompts = [ob.tokenizer.encode(p).ids for p in texts]
     longest = max(len(p) for p in prompts)
     # (a prompt too long for the target too is reported by the run, as the target's)
     if ob.draft is not None and any(s.draft != "ngram" for s in grid) and \
@@ -224,13 +236,15 @@ def run(args: argparse.Namespace) -> int:
         lenient = f" l={v['lenience']:g}" if v["lenience"] != 1 else ""
         print(f"T={v['temperature']:g}{lenient} {v['draft']}: adaptive gamma / best static gamma ({v['best_static_gamma']}) "
               f"= {v['adaptive_over_best_static']:.3f} {iqr} (speculative tokens/s, same run)")
-    for r in rows:
-        if r["gamma"] is None and math.isnan(r["alpha"]):  # NaN: no drafted round (each first token is the prefill's)
+    for r in rows:  # plain target steps inside a run: where they came from
+        lookup, adaptive = r["draft"] == "ngram", r["gamma"] is None
+        why = " or ".join(w for w, on in (("lookups that found nothing", lookup),
+                                          ("the adaptive policy finding them faster than drafted rounds", adaptive)) if on) \
+            or "rounds with no room to draft: a prompt's last new token, the draft's last positions"
+        if math.isnan(r["alpha"]) and (lookup or adaptive):  # no drafted round (each first token is the prefill's)
             print(f"{r['setting']}: no round was drafted: after each prompt's first token, every token came from plain "
-                  "target steps (the adaptive policy found them faster); the theory columns are empty")
-        elif r["gamma"] is None and r["plain_step_share"] > 0.05:
-            why = ("the adaptive policy found faster than drafted rounds here" if r["draft"] != "ngram" else
-                   "lookups that found nothing, or that the adaptive policy found faster than drafted rounds")
+                  f"target steps ({why}); the theory columns are empty")
+        elif r["plain_step_share"] > 0.05:
             print(f"{r['setting']}: {r['plain_step_share']:.0%} of the tokens came from plain target steps ({why}; the "
                   "theory columns describe the drafted rounds)")
     note = hardware_counters_note()
@@ -244,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
                "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
                "other_cpu_load_cores": others,
                "hardware_counters": note, "results": rows, "adaptive_vs_static": versus,
-               "command": "edgespec bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "edgespec bench"}
+               "seed": args.seed, "prompts_sha256": hashlib.sha256("\n---\n".join(texts).encode()).hexdigest(),
+               "edgespec": {"version": __version__, "commit": source_commit()},
+               "command": shlex.join(["edgespec", *getattr(args, "argv", ["bench"])])}
     if args.out is not None:
         write_json(args.out / "bench.json", payload)
         written = plot(rows, args.out)

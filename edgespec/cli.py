@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     module = importlib.import_module(COMMANDS[args.command][0])
+    args.argv = argv  # what was run, for result files (bench.json's command)
 
     def show(message, category, filename, lineno, file=None, line=None):  # one line, no source location
         print(f"edgespec {args.command}: warning: {message}", file=sys.stderr)

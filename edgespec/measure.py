@@ -19,16 +19,18 @@ from .loop import GenerationStats, generate
 
 class ReadCounter:
     """A Backend proxy that counts the bytes a forward call must read from memory: every
-    weight once per call, plus the KV cache already held (its real length at that call).
+    weight once per call, plus the KV cache already held (its real length at that call; with
+    ``static_positions``, that many: XLA's artifacts attend over their whole buffer, masked).
     Per token, plain decoding pays this once per token; speculation once per round."""
 
-    def __init__(self, backend, weight_bytes: int, kv_bytes_per_token: int):
+    def __init__(self, backend, weight_bytes: int, kv_bytes_per_token: int, static_positions: int | None = None):
         self.backend = backend
         self.vocab_size, self.max_length = backend.vocab_size, backend.max_length
         for name in ("is_encoder_decoder", "verify_width", "max_prompt_length"):  # the loop and drafters read them
             if hasattr(backend, name):
                 setattr(self, name, getattr(backend, name))
         self.weight_bytes, self.kv_bytes_per_token = weight_bytes, kv_bytes_per_token
+        self.static_positions = static_positions  # attention over the whole buffer at every call (XLA)
         self.reset()
 
     def reset(self) -> None:
@@ -41,7 +43,7 @@ class ReadCounter:
     def _count(self, past: int) -> None:
         self.calls += 1
         self.weight_read += self.weight_bytes
-        self.kv_read += self.kv_bytes_per_token * past
+        self.kv_read += self.kv_bytes_per_token * (past if self.static_positions is None else self.static_positions)
 
     def prefill(self, ids):
         self._count(0)
@@ -134,17 +136,22 @@ class SettingResult:
         a = alpha_test if self.setting.lenience < 1 else alpha
         ok = 0 <= a <= 1 and c == c
         # Theorem 3.8 assumes a verify call of g + 1 tokens costs one target step. V is what it
-        # cost here (mean verify call / mean plain step, both measured in this run), so the
-        # prediction with the measured verify cost is E / ((g c + 1) V) = Theorem 3.8 / V; what the
-        # run still misses against that is sampling, Python and prefill time.
+        # cost here (mean verify call / mean plain step, both measured in this run). The theorem's c
+        # is a draft step over a target step, here a plain one: c V (c, the column, is over a verify
+        # call), so Theorem 3.8 as stated is E / (g c V + 1), as `edgespec plan` computes it from the
+        # paper's c. With the measured verify cost a round takes (g c + 1) verify calls, (g c + 1) V
+        # plain steps: E / ((g c + 1) V). What the run still misses against that is sampling, Python
+        # and prefill time.
         plain_s, plain_n = self.plain_step
         v = (target_s / steps) / (plain_s / plain_n) if steps and target_s > 0 and plain_n and plain_s > 0 \
             else float("nan")
         if ok:
             expected = sum(n * theory.expected_tokens(a, g) for g, n in enumerate(counts)) / sum(counts)
-            predicted = expected * sum(counts) / sum(n * (g * c + 1) for g, n in enumerate(counts))
+            paper_c = c * v if v == v else c   # (no plain step timed: c, as if V were 1)
+            predicted = expected * sum(counts) / sum(n * (g * paper_c + 1) for g, n in enumerate(counts))
+            with_v = expected * sum(counts) / sum(n * (g * c + 1) * v for g, n in enumerate(counts))
         else:
-            expected = predicted = float("nan")
+            expected = predicted = with_v = float("nan")
         return {
             "setting": self.setting.label,
             "gamma": self.setting.gamma, "mean_gamma": mean_gamma,
@@ -163,7 +170,7 @@ class SettingResult:
             "speedup_iqr": _iqr(self.ratios),
             "predicted_speedup": predicted,
             "verify_cost_steps": v,
-            "predicted_speedup_verify_cost": predicted / v,
+            "predicted_speedup_verify_cost": with_v,
             "plain_ttft_s": _med(self.plain_ttft), "spec_ttft_s": _med(self.spec_ttft),
             "plain_decode_tokens_per_s": _med(self.plain_decode_tps),
             "spec_decode_tokens_per_s": _med(self.spec_decode_tps),

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -93,6 +94,20 @@ def other_load_note(cores: float | None) -> str | None:
             "stop other work and measure again")
 
 
+def source_commit() -> str | None:
+    """The git commit of the edgespec source that runs (an editable install of a checkout, with "+dirty"
+    for uncommitted changes); None for an installed package or without git."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+    try:
+        git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True, timeout=10,  # noqa: E731
+                                        check=True).stdout.strip()
+        return git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def machine_description() -> dict:
     import numpy as np
 
@@ -144,8 +159,9 @@ def format_table(rows: list[dict]) -> str:
              "ratios [their IQR]; decode: the rate after the first token "
              "(time per output token), the part a draft can speed up",
              "c: a draft step's time over a verify call's; V: a verify call's time in plain target steps "
-             "(Theorem 3.8 assumes 1); Thm3.8/V: the prediction with that measured cost; with lenience < 1 the "
-             "theory columns use the test's keep probability, not alpha",
+             "(Theorem 3.8 assumes 1); Thm3.8: the theorem with alpha and its c, a draft step over a plain target "
+             "step (c x V; as `edgespec plan` takes it); Thm3.8/V: the prediction with the measured verify cost, "
+             "E / ((gamma c + 1) V); with lenience < 1 the theory columns use the test's keep probability, not alpha",
              "fewer reads: the target's weight and KV bytes per token, plain over speculative (the draft's are "
              "in bench.json)"]
     return "\n".join(lines + notes)
@@ -202,7 +218,9 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path] | None:
                           [max(0.0, r["speedup_iqr"][1] - r["speedup"]) if r["speedup_iqr"][1] == r["speedup_iqr"][1] else 0 for r in rs]],
                     fmt="o-", color=color, label=f"measured T={key[0]:g}")
         a = sum(r["alpha"] for r in rs) / len(rs)
-        c = sum(r["c"] for r in rs) / len(rs)
+        v = [r.get("verify_cost_steps", float("nan")) for r in rs]
+        # the paper's c (a draft step over a plain target step: c V), as the table's Thm3.8 takes it
+        c = sum(r["c"] * (x if x == x else 1.0) for r, x in zip(rs, v)) / len(rs)
         if 0 <= a <= 1 and c == c:
             grid = list(range(1, max(gs) + 1))
             ax.plot(grid, [theory.speedup(a, g, c) for g in grid], "--", color=color,

@@ -142,6 +142,8 @@ class XlaBackend:
         if self.is_encoder_decoder and self.decoder_start_token_id is None:
             self.decoder_start_token_id = specials.get("pad_token_id", 0)
         self._params = params
+        # bytes a forward call reads (the encoder's, read once per prompt, excluded): the bench's counts
+        self.parameter_bytes = sum(int(v.nbytes) for k, v in params.items() if not k.startswith("encoder."))
         # jit wrappers around Exported.call; kv (and nothing else) is donated: updated in place.
         self._extend = {int(k): jax.jit(e.call, donate_argnums=(1,)) for k, e in exported["extend"].items()}
         self._prefill = {int(k): jax.jit(e.call) for k, e in exported.get("prefill", {}).items()}

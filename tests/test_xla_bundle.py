@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("jax")
 
 from edgespec.api import load  # noqa: E402
+from edgespec.bundle import load_bundle  # noqa: E402
 from edgespec.cli import main  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -137,6 +138,14 @@ def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys, monkeypatch):
     assert data["verify_width"] == 6 and data["jax"]
     auto = next(r for r in data["results"] if r["gamma"] is None)
     assert 0 < auto["mean_gamma"] <= 5
+    # bytes read: the artifacts' fp32 weights and, every call, the whole static KV buffer (they were
+    # the ONNX graphs' weights and the cache's real length); plain decoding makes one call per token
+    from edgespec.bench import kv_bytes_per_token
+
+    t = warmed[0]
+    kv = kv_bytes_per_token(load_bundle(xla_bundle("llama")).target)
+    assert t.parameter_bytes > 0 and all(r["target_bytes_per_token_plain"] == pytest.approx(t.parameter_bytes + kv * t.max_length)
+                                         for r in data["results"])
     capsys.readouterr()
     assert main(argv + ["--gammas", "2,6"]) == 2
     err = capsys.readouterr().err
