@@ -148,7 +148,7 @@ def format_table(rows: list[dict]) -> str:
             ("decode", 7, lambda r: _f(r.get("decode_speedup", nan), ".2f") + "x"),
             ("Thm3.8", 7, lambda r: _f(r["predicted_speedup"], ".2f") + "x"),
             ("V", 5, lambda r: _f(r.get("verify_cost_steps", nan), ".2f")),
-            ("Thm3.8/V", 8, lambda r: _f(r.get("predicted_speedup_verify_cost", nan), ".2f") + "x"),
+            ("Thm3.8(V)", 9, lambda r: _f(r.get("predicted_speedup_verify_cost", nan), ".2f") + "x"),
             ("fewer reads", 11, lambda r: _f(r.get("target_read_reduction", nan), ".2f") + "x")]
     first = max([34] + [len(r["setting"]) for r in rows])   # (top-k, top-p and lenience lengthen a label)
     head = f"{'setting':<{first}} " + " ".join(f"{h:>{w}}" for h, w, _ in cols)
@@ -160,8 +160,8 @@ def format_table(rows: list[dict]) -> str:
              "(time per output token), the part a draft can speed up",
              "c: a draft step's time over a verify call's; V: a verify call's time in plain target steps "
              "(Theorem 3.8 assumes 1); Thm3.8: the theorem with alpha and its c, a draft step over a plain target "
-             "step (c x V; as `edgespec plan` takes it); Thm3.8/V: the prediction with the measured verify cost, "
-             "E / ((gamma c + 1) V); with lenience < 1 the theory columns use the test's keep probability, not alpha",
+             "step (c x V; as `edgespec plan` takes it); Thm3.8(V): the prediction with the measured verify cost, "
+             "E / ((gamma c + 1) V), called Thm 3.8 / V before the Thm3.8 column took c x V; with lenience < 1 the theory columns use the test's keep probability, not alpha",
              "fewer reads: the target's weight and KV bytes per token, plain over speculative (the draft's are "
              "in bench.json)"]
     return "\n".join(lines + notes)

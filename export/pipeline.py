@@ -349,7 +349,7 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
             warnings.warn("the draft is the target itself: every draft token is kept, but each costs a full target "
                           "step, so speculation is slower than plain decoding; pass a smaller draft",
                           EdgeSpecWarning, stacklevel=2)
-        ts, ds = t.config.get("decoder_start_token_id"), d.config.get("decoder_start_token_id")
+        ts, ds = (int(m.config.get("decoder_start_token_id") or 0) for m in (t, d))  # (none: 0, as the runtime)
         if t.kind == contract.KIND_SEQ2SEQ and d.kind == contract.KIND_SEQ2SEQ and ts != ds:
             warnings.warn(f"the draft's decoder starts from token {ds} and the target's from {ts}: the draft guesses "
                           "after another start (the output stays exact; fewer drafts may be kept): pass a draft that "
@@ -357,8 +357,8 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
         tp, dp = contract.config_positions(t.config, t.kind), contract.config_positions(d.config, d.kind)
         if tp is not None and dp is not None and dp < tp:
             warnings.warn(f"the draft takes {dp} positions and the target {tp}: past {dp} tokens (prompt and output) "
-                          "generation decodes plainly (a longer prompt too, or is refused if a drafter or gamma is "
-                          "named); pass a draft with as many positions as the target for speculation "
+                          "generation decodes plainly (so does a longer prompt, unless a drafter, gamma or lenience "
+                          "is given: then it is refused); pass a draft with as many positions as the target for speculation "
                           "over the whole context", EdgeSpecWarning, stacklevel=2)
     layouts = {role: _kv_layout(ckpt, options) for role, ckpt in roles.items()}  # --graph refusals, before any loading
     if options.opset is not None and all(layout == contract.KV_STATIC for layout in layouts.values()):
@@ -380,7 +380,8 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
         from .xla import check_xla_options
 
         # XLA options, checked against each config before the ONNX work
-        resolved = [check_xla_options(ckpt.path, **{"atol": options.atol, **xla}) for ckpt in roles.values()]
+        checked = {role: check_xla_options(ckpt.path, **{"atol": options.atol, **xla}) for role, ckpt in roles.items()}
+        resolved = list(checked.values())
         if draft is not None and resolved[0]["verify_width"] == 1:
             warnings.warn("--verify-width 1 leaves no room for a draft token: the XLA runtime can only decode plainly "
                           "with this bundle; pass --verify-width 2 or more (max gamma + 1; default 9)",
@@ -424,8 +425,10 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
             formats["xla"] = {}
             for role, ckpt in roles.items():
                 progress(f"{role}: lowering jax.export artifacts for {', '.join(xla.get('platforms', ('cpu',)))}")
+                # (a T5's encoder length as resolved by the check above: it warned about the default once)
+                source = {"max_source_length": checked[role]["max_source_length"]} if ckpt.kind == contract.KIND_SEQ2SEQ else {}
                 m = export_xla(ckpt.path, tmp / role,
-                               **{"atol": options.atol, "vocab_limit": tokenizer_size(load_vocab(ckpt.path)), **xla})
+                               **{"atol": options.atol, "vocab_limit": tokenizer_size(load_vocab(ckpt.path)), **xla, **source})
                 v = m["validation"]
                 progress(f"{role}: XLA artifacts " + (f"not validated: {v['skipped']}" if "skipped" in v else
                                                       f"vs PyTorch: max |logits diff| {v['max_abs_diff']:.2e}"))

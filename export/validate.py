@@ -88,7 +88,7 @@ def _plan(positions: int, prefill: int = PREFILL_TOKENS) -> list[tuple[str, int,
     return plan
 
 
-def rounding_hint(name: str | None, diff: float, logits_scale: float | None) -> str:
+def rounding_hint(name: str | None, diff: float, logits_scale: float | None, flag: str = "--atol") -> str:
     """Where the worst difference is in the logits and tiny against their range: say that it looks like
     float32 rounding (it grows with the values: a T5 with logits up to 231 differed by 6.4e-3, 1.6e-5 of
     their range, and decoded token-identically) and what accepting it means; a wrong graph errs by a
@@ -97,9 +97,10 @@ def rounding_hint(name: str | None, diff: float, logits_scale: float | None) -> 
             or diff > 1e-4 * logits_scale:
         return ""
     accept = float(f"{2 * diff:.1g}")
+    # logits off by up to d move a probability by a factor up to e^(2d) (its logit and the normaliser's)
     return (f" That is {diff / logits_scale:.1e} of the logits' range ({logits_scale:.3g}): float32 rounding in a model "
-            f"with large logits, most likely, not a wrong graph; --atol {accept:g} accepts it (a probability may then "
-            f"be off by a factor up to e^{accept:g}).")
+            f"with large logits, most likely, not a wrong graph; {flag} {accept:g} accepts it (a probability may then "
+            f"be off by a factor up to e^{2 * accept:g}).")
 
 
 def logits_range(ref_logits: np.ndarray) -> float:
@@ -313,7 +314,8 @@ def summarize(stages: dict, atol: float, what: str, logits_scale: float | None =
     this model's export (quantized or not, which graph)."""
     worst_name, worst_d = worst({f"{stage}/{name}": d for stage, diffs in stages.items() for name, d in diffs.items()})
     if not np.isfinite(worst_d) or worst_d > atol:
-        advice = rounding_hint(worst_name, worst_d, logits_scale) or f" {fix[0].upper()}{fix[1:]}"
+        advice = rounding_hint(worst_name, worst_d, logits_scale, "--quantized-atol" if rtol is not None else "--atol") \
+            or f" {fix[0].upper()}{fix[1:]}"
         raise ValidationError(f"{what}: ONNX Runtime output {worst_name} differs from PyTorch by {worst_d:.3g} (tolerance "
                               f"{atol:g}); no bundle was written.{advice}")
     record = {"atol": atol, "max_abs_diff": worst_d, "worst_output": worst_name, "stages": stages}

@@ -324,6 +324,10 @@ def validate_xla(checkpoint_dir: Path, folder: Path, seq2seq: bool, platforms: S
     for w in widths:
         got[f"step_{w}"] = (n, be.extend(dec[n:n + w]))
         n += w
+    # T5: the prompt above runs the smallest encoder bucket; the longest prompt runs the largest
+    longest = rng.integers(0, min(vocab_limit or be.vocab_size, be.vocab_size), size=be.max_prompt_length) \
+        if seq2seq and be.max_prompt_length > src.size else None
+    long_logits = be.prefill(longest)[None] if longest is not None else None
     del be
 
     from .onnx_export import load_torch_model_at
@@ -333,9 +337,14 @@ def validate_xla(checkpoint_dir: Path, folder: Path, seq2seq: bool, platforms: S
         feed = dict(input_ids=torch.from_numpy(src[None]), decoder_input_ids=torch.from_numpy(dec[None])) if seq2seq \
             else dict(input_ids=torch.from_numpy(dec[None]))
         ref = model(**feed).logits[0].double().numpy()
+        if longest is not None:
+            long_ref = model(input_ids=torch.from_numpy(longest[None]),
+                             decoder_input_ids=torch.tensor([[int(dec[0])]])).logits[0].double().numpy()
     del model
     stages = {stage: validate._diff(np.asarray(logits), ref[pos:pos + len(logits)], stage)
               for stage, (pos, logits) in got.items()}
+    if longest is not None:
+        stages["prefill_longest_prompt"] = validate._diff(np.asarray(long_logits), long_ref, "prefill_longest_prompt")
     worst, worst_d = validate.worst(stages)
     worst = worst or next(iter(stages))  # every stage exact
     if not np.isfinite(worst_d) or worst_d > atol:
@@ -375,7 +384,7 @@ def add_xla_arguments(parser: argparse.ArgumentParser, title: str = "XLA export 
     add("--verify-width", type=int, default=None, help="widest verify block, max gamma + 1 (default 9)")
     add("--prefill-buckets", type=_parse_ints, default=None,
         help="padded prompt sizes for prefill, e.g. 16,64,256 (default: 16,64,256,1024 below max-length, plus max-length; "
-             "T5: the encoder's, below and up to --max-source-length)")
+             "T5: the encoder's, the same below --max-source-length, plus it)")
     add("--max-source-length", type=int, default=None, help="T5: longest prompt (the largest encoder bucket), default 512")
     add("--overwrite", action="store_true", help="replace an existing xla/ folder")
     add("--atol", type=float, default=None,

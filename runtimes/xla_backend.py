@@ -142,8 +142,11 @@ class XlaBackend:
         if self.is_encoder_decoder and self.decoder_start_token_id is None:
             self.decoder_start_token_id = specials.get("pad_token_id", 0)
         self._params = params
-        # bytes a forward call reads (the encoder's, read once per prompt, excluded): the bench's counts
-        self.parameter_bytes = sum(int(v.nbytes) for k, v in params.items() if not k.startswith("encoder."))
+        # weight bytes a decoder call reads (the bench's counts): not the encoder's, nor the cross-attention
+        # K/V projections, which run once per prompt (t5_encode)
+        self.parameter_bytes = sum(int(v.nbytes) for k, v in params.items()
+                                   if not k.startswith("encoder.") and not k.endswith(("EncDecAttention.k.weight",
+                                                                                        "EncDecAttention.v.weight")))
         # jit wrappers around Exported.call; kv (and nothing else) is donated: updated in place.
         self._extend = {int(k): jax.jit(e.call, donate_argnums=(1,)) for k, e in exported["extend"].items()}
         self._prefill = {int(k): jax.jit(e.call) for k, e in exported.get("prefill", {}).items()}
@@ -380,8 +383,8 @@ class XlaBackend:
 
     def warmup(self) -> None:
         """Compile every artifact now (the first call of each otherwise compiles it)."""
-        if self.is_encoder_decoder:
-            self.prefill(np.array([0], np.int64))
+        for b in sorted(self._encode):  # T5: every encoder bucket (a prompt of b tokens runs bucket b)
+            self.prefill(np.zeros(b, np.int64))
         for b in self.prefill_buckets:
             self.prefill(np.zeros(min(b, self.max_length), np.int64))
         for w in self.widths:

@@ -89,6 +89,12 @@ def test_t5_engine_takes_prompts_up_to_the_encoder_length(tiny_checkpoints, tmp_
             got = eng.target.prefill(np.array(prompt[:n]))
             assert np.abs(got - ref).max() < 1e-4, n
         assert ran == [16, 16, 40, 40]
+        ran.clear()
+        eng.target.warmup()  # compiles every bucket before a timed call (it compiled the smallest only)
+        assert ran == [16, 40]
+    for role in ("target", "draft"):  # export checked both encoder buckets against PyTorch (it checked the smallest)
+        v = json.loads((tmp_path / "b" / role / "xla" / "xla.json").read_text())["validation"]
+        assert {"prefill", "prefill_longest_prompt"} <= set(v["stages"]) and v["max_abs_diff"] < 1e-4, role
     # left to its default, the one encoder bucket is 512 tokens long, which every prompt pays for (a trial's find)
     from edgespec.errors import EdgeSpecWarning
     from edgespec.export.xla import check_xla_options
