@@ -433,7 +433,7 @@ def test_draft_with_a_different_tokenizer_in_the_bundle(bundle_copy, capsys):
     (lambda d: d["models"]["target"].update(max_positions=2**40), "max_positions must be an integer"),
     (lambda d: d["models"]["target"].update(vocab_size="96"), "vocab_size must be an integer"),
     (lambda d: d.update(models=[]), "'models' must be an object"),
-    (lambda d: d.update(schema_version="1"), "schema version '1' is not supported"),
+    (lambda d: d.update(schema_version="1"), "schema_version is the string '1'; it must be the integer 1"),
     (lambda d: d.update(shared_vocab_size=0), "shared_vocab_size"),
     (lambda d: d["models"]["target"].pop("parameter_bytes"), "model 'target' lacks parameter_bytes"),
     (lambda d: d["models"]["target"].update(colour="red"), "has unknown fields colour"),

@@ -211,7 +211,8 @@ def test_manifest_is_self_describing(exported):
 @pytest.mark.parametrize("name", ARCHS)
 def test_export_validates_the_artifacts_against_torch(name, exported):
     v = json.loads((exported[name] / "xla" / "xla.json").read_text())["validation"]
-    assert v["platform"] == "cpu" and set(v["stages"]) == {"prefill", "step_1", f"step_{VERIFY}"}
+    longest = {"prefill_longest_prompt"} if name.startswith("t5") else set()  # T5: the largest encoder bucket too
+    assert v["platform"] == "cpu" and set(v["stages"]) == {"prefill", "step_1", f"step_{VERIFY}"} | longest
     assert 0 <= v["max_abs_diff"] == max(v["stages"].values()) < TOL
     _record(f"{name}/export-validation", v["max_abs_diff"])
 
