@@ -53,9 +53,7 @@ def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), t
 
     def counter(backend, model):
         if runtime == "xla":  # the artifacts' own (fp32) weights, and attention over the whole static buffer
-            # (a T5 step also reads the cross KV over all max_source_length positions: a fixed amount per call)
-            cross = kv_bytes_per_token(model) * backend.max_prompt_length if backend.is_encoder_decoder else 0
-            return ReadCounter(backend, backend.parameter_bytes + cross, kv_bytes_per_token(model), backend.max_length)
+            return ReadCounter(backend, backend.parameter_bytes, kv_bytes_per_token(model), backend.max_length)
         return ReadCounter(backend, int(model.parameter_bytes.get("per_forward", model.parameter_bytes.get("total", 0))),
                            kv_bytes_per_token(model))
 

@@ -20,7 +20,9 @@ from .loop import GenerationStats, generate
 class ReadCounter:
     """A Backend proxy that counts the bytes a forward call must read from memory: every
     weight once per call, plus the KV cache already held (its real length at that call; with
-    ``static_positions``, that many: XLA's artifacts attend over their whole buffer, masked).
+    ``static_positions``, that many: XLA's artifacts attend over their whole buffer, masked). An
+    encoder-decoder's decoder call also reads the cross-attention KV of the prompt (with
+    ``static_positions``, of the whole encoder length, ``max_prompt_length``).
     Per token, plain decoding pays this once per token; speculation once per round."""
 
     def __init__(self, backend, weight_bytes: int, kv_bytes_per_token: int, static_positions: int | None = None):
@@ -31,6 +33,7 @@ class ReadCounter:
                 setattr(self, name, getattr(backend, name))
         self.weight_bytes, self.kv_bytes_per_token = weight_bytes, kv_bytes_per_token
         self.static_positions = static_positions  # attention over the whole buffer at every call (XLA)
+        self._cross = 0                           # encoder positions each decoder call attends to
         self.reset()
 
     def reset(self) -> None:
@@ -43,9 +46,12 @@ class ReadCounter:
     def _count(self, past: int) -> None:
         self.calls += 1
         self.weight_read += self.weight_bytes
-        self.kv_read += self.kv_bytes_per_token * (past if self.static_positions is None else self.static_positions)
+        self.kv_read += self.kv_bytes_per_token * ((past if self.static_positions is None else self.static_positions)
+                                                   + self._cross)
 
     def prefill(self, ids):
+        if getattr(self.backend, "is_encoder_decoder", False):
+            self._cross = getattr(self.backend, "max_prompt_length") if self.static_positions else np.asarray(ids).size
         self._count(0)
         return self.backend.prefill(ids)
 

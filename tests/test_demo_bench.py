@@ -127,6 +127,30 @@ def test_bench_lenience_at_greedy_and_plain_steps_of_static_lookup(tiny_bundle, 
     assert share > 0.05 and "came from plain target steps (lookups that found nothing;" in out, out
 
 
+def test_read_counter_counts_the_cross_attention_reads_of_an_encoder_decoder():
+    """A T5 decoder call reads the prompt's cross-attention KV too (they were not counted); XLA's
+    artifacts read their whole buffers: max_length self positions, max_prompt_length cross ones."""
+    from edgespec.measure import ReadCounter
+
+    class Fake:
+        vocab_size, max_length, max_prompt_length, length = 10, 64, 40, 0
+
+        def __init__(self, seq2seq):
+            self.is_encoder_decoder = seq2seq
+
+        def prefill(self, ids):
+            self.length = 1  # (T5: the start token)
+
+        def extend(self, ids):
+            self.length += len(ids)
+
+    for seq2seq, static, want in ((True, None, (0 + 7) + (1 + 7)), (False, None, 0 + 1), (True, 64, (64 + 40) * 2)):
+        rc = ReadCounter(Fake(seq2seq), 100, 1, static)
+        rc.prefill([5] * 7)
+        rc.extend([1, 2])
+        assert (rc.calls, rc.weight_read, rc.kv_read) == (2, 200, want), (seq2seq, static)
+
+
 def test_settings_run_side_by_side_with_a_shared_plain_run(monkeypatch):
     """run_settings: per prompt, one plain run and every setting of the same sampling back to
     back, the order rotating; one plain tokens/s per repeat shared by the group; ratios same-run."""
