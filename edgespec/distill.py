@@ -440,7 +440,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             raise InvalidArgumentError(f"--init {init} holds a {init_type!r} model; distill trains Llama drafts, so "
                                        "--init takes a Llama draft (one made by `edgespec distill`): drop --init to "
                                        "train a new draft")
-        init_model = load_torch_model_at(Path(init), seq2seq=False)
+        init_model = load_torch_model_at(init, seq2seq=False)
         init_layers = init_model.config.num_hidden_layers
         draft_size = _init_shape(init_model.config, size, layers, hidden, heads, intermediate)
     tmodel, tok = load_target(target_dir)
@@ -497,7 +497,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                     "lr": lr, "generated_fraction": generated,
                     "generated_rows_per_batch": _generated_rows(batch_size, generated), "pool_size": pool_size if generated else 0, "seed": seed,
                     "tokens_per_run": steps * batch_size * ctx, "corpus": c.description,
-                    **({} if init is None else {"init": str(Path(init).resolve()), "init_layers": init_layers}),
+                    **({} if init is None else {"init": str(init.resolve()), "init_layers": init_layers}),
                     "draft_config": {"hidden": draft_size.hidden, "layers": draft_size.layers, "heads": draft_size.heads,
                                      "intermediate": draft_size.intermediate,
                                      **({} if draft_size.kv_heads is None else {"kv_heads": draft_size.kv_heads})}}

@@ -50,8 +50,8 @@ class ReadCounter:
                                                    + self._cross)
 
     def prefill(self, ids):
-        if getattr(self.backend, "is_encoder_decoder", False):
-            self._cross = getattr(self.backend, "max_prompt_length") if self.static_positions else np.asarray(ids).size
+        if getattr(self, "is_encoder_decoder", False):
+            self._cross = self.max_prompt_length if self.static_positions else np.asarray(ids).size
         self._count(0)
         return self.backend.prefill(ids)
 
@@ -153,7 +153,7 @@ class SettingResult:
             else float("nan")
         if ok:
             expected = sum(n * theory.expected_tokens(a, g) for g, n in enumerate(counts)) / sum(counts)
-            paper_c = c * v if v == v else c   # (no plain step timed: c, as if V were 1)
+            paper_c = theory.paper_c(c, v)
             predicted = expected * sum(counts) / sum(n * (g * paper_c + 1) for g, n in enumerate(counts))
             with_v = expected * sum(counts) / sum(n * (g * c + 1) * v for g, n in enumerate(counts))
         else:

@@ -218,9 +218,8 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path] | None:
                           [max(0.0, r["speedup_iqr"][1] - r["speedup"]) if r["speedup_iqr"][1] == r["speedup_iqr"][1] else 0 for r in rs]],
                     fmt="o-", color=color, label=f"measured T={key[0]:g}")
         a = sum(r["alpha"] for r in rs) / len(rs)
-        v = [r.get("verify_cost_steps", float("nan")) for r in rs]
-        # the paper's c (a draft step over a plain target step: c V), as the table's Thm3.8 takes it
-        c = sum(r["c"] * (x if x == x else 1.0) for r, x in zip(rs, v)) / len(rs)
+        # the paper's c (a draft step over a plain target step), as the table's Thm3.8 takes it
+        c = sum(theory.paper_c(r["c"], r.get("verify_cost_steps", float("nan"))) for r in rs) / len(rs)
         if 0 <= a <= 1 and c == c:
             grid = list(range(1, max(gs) + 1))
             ax.plot(grid, [theory.speedup(a, g, c) for g in grid], "--", color=color,

@@ -34,6 +34,12 @@ def speedup(alpha: float, gamma: int, c: float) -> float:
     return expected_tokens(alpha, gamma) / (gamma * c + 1)
 
 
+def paper_c(c_verify: float, verify_cost: float) -> float:
+    """Section 3's c, a draft step over a (plain) target step, from a measured draft step over a
+    verify call (bench's c) and the verify call's cost in plain steps V; V unknown (NaN): as if 1."""
+    return c_verify * verify_cost if verify_cost == verify_cost else c_verify
+
+
 def memory_read_reduction(alpha: float, gamma: int) -> float:
     """Section 3.4: target weights and KV cache are read once per round instead of once per
     token, so reads per token shrink by the expected tokens per round."""

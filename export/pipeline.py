@@ -381,8 +381,7 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
 
         # XLA options, checked against each config before the ONNX work
         checked = {role: check_xla_options(ckpt.path, **{"atol": options.atol, **xla}) for role, ckpt in roles.items()}
-        resolved = list(checked.values())
-        if draft is not None and resolved[0]["verify_width"] == 1:
+        if draft is not None and checked[contract.ROLE_TARGET]["verify_width"] == 1:
             warnings.warn("--verify-width 1 leaves no room for a draft token: the XLA runtime can only decode plainly "
                           "with this bundle; pass --verify-width 2 or more (max gamma + 1; default 9)",
                           EdgeSpecWarning, stacklevel=2)
