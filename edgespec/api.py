@@ -350,7 +350,8 @@ class Engine:
     def _prompt_ids(self, prompt, use_draft: bool) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:  # whitespace is text: "\n" encodes to tokens
-                raise InvalidArgumentError("the prompt is empty; pass some text (or a non-empty list of token ids)")
+                raise InvalidArgumentError("the prompt is empty; pass some text (CLI: a non-empty --prompt or --prompt-file) "
+                                           "or a non-empty list of token ids")
             self._check_text_fits(prompt)
             ids = self.encode(prompt)
             if not ids:

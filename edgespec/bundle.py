@@ -87,6 +87,11 @@ class BundleManifest:
         if isinstance(version, str) and version.strip().isdigit():  # "1" is not 1 (a hand edit, another writer)
             raise BundleError(f"{where}: schema_version is the string {version!r}; it must be the integer {version.strip()} "
                               "(no quotes): fix the file or re-export the bundle (`edgespec export ...`)")
+        newest = max(contract.SUPPORTED_SCHEMA_VERSIONS)
+        if isinstance(version, int) and not isinstance(version, bool) and version > newest:
+            raise BundleError(f"{where}: manifest schema version {version} is newer than this edgespec reads (at most "
+                              f"{newest}); upgrade edgespec (`pip install -U edgespec`), or re-export the bundle with "
+                              "this version from its checkpoints (`edgespec export ...`)")
         if version not in contract.SUPPORTED_SCHEMA_VERSIONS:
             raise BundleError(
                 f"{where}: manifest schema version {version!r} is not supported by this edgespec "
@@ -229,6 +234,9 @@ def load_bundle(folder: str | os.PathLike, *, allow_partial: bool = False,
             + (f"its bundle/ (which edgespec demo exports) is {str(root / 'bundle')!r}" if ready else
                f"export one: edgespec export --target {shlex.quote(str(root / 'target'))} --draft "
                f"{shlex.quote(str(root / 'draft'))} --out BUNDLE"))
+    if not mpath.is_file() and (root.parent / contract.MANIFEST_NAME).is_file():  # a bundle's target/ or draft/
+        raise BundleError(f"{str(root)!r} is the {root.name}/ folder inside a bundle; pass the bundle folder itself, "
+                          f"{str(root.parent)!r}")
     if not mpath.is_file():
         raise BundleError(
             f"{str(root)!r} has no {contract.MANIFEST_NAME}; it is not an edgespec bundle "
@@ -457,6 +465,10 @@ def check_onnx_file(path: Path) -> None:
             raise BundleError(f"{path}: external data {loc!r} has an offset or length that is not a number (corrupt); "
                               "re-export the bundle") from None
         size = target.stat().st_size
+        with open(target, "rb") as fh:
+            if fh.read(len(LFS_POINTER_PREFIX)) == LFS_POINTER_PREFIX:
+                raise BundleError(f"{path}: external data file {loc!r} is a Git LFS pointer file, not the weights; run "
+                                  "`git lfs pull` (or download the real file) in the repository the bundle came from")
         if end > size:  # ONNX Runtime would blame the .onnx file in a raw message
             raise BundleError(f"{path}: external data file {loc!r} is truncated ({size} bytes; its tensors end at "
                               f"byte {end}); copy the whole model folder again or re-export the bundle")

@@ -43,13 +43,13 @@ class SamplingConfig:
         _normalise(self, ("top_k",), ("temperature", "top_p"))
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
-            raise InvalidArgumentError(f"temperature must be a finite number >= 0 (0 = greedy); got {t!r}")
+            raise InvalidArgumentError(f"temperature (CLI --temperature) must be a finite number >= 0 (0 = greedy); got {t!r}")
         k = self.top_k
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise InvalidArgumentError(f"top_k must be an integer >= 0 (0 = off); got {k!r}")
+            raise InvalidArgumentError(f"top_k (CLI --top-k) must be an integer >= 0 (0 = off); got {k!r}")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, (int, float)) or math.isnan(p) or not (0 < p <= 1):
-            raise InvalidArgumentError(f"top_p must be in (0, 1] (1 = off); got {p!r}")
+            raise InvalidArgumentError(f"top_p (CLI --top-p) must be in (0, 1] (1 = off); got {p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -75,17 +75,17 @@ class GenerationConfig:
         object.__setattr__(self, "stop_token_ids", tuple(as_int(i) for i in self.stop_token_ids))
         m = self.max_new_tokens
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-            raise InvalidArgumentError(f"max_new_tokens must be an integer >= 1; got {m!r}")
+            raise InvalidArgumentError(f"max_new_tokens (CLI --max-new-tokens) must be an integer >= 1; got {m!r}")
         g = self.gamma
         if g is not None and (isinstance(g, bool) or not isinstance(g, int) or g < 1):
-            raise InvalidArgumentError(f"gamma must be an integer >= 1 (or None for adaptive); got {g!r}")
+            raise InvalidArgumentError(f"gamma (CLI --gamma) must be an integer >= 1 (or None for adaptive; CLI auto); got {g!r}")
         if isinstance(self.max_gamma, bool) or not isinstance(self.max_gamma, int) or self.max_gamma < 1:
             raise InvalidArgumentError(f"max_gamma must be an integer >= 1; got {self.max_gamma!r}")
         if g is not None and g > self.max_gamma:
             raise InvalidArgumentError(f"gamma={g} exceeds max_gamma={self.max_gamma}; lower gamma or raise max_gamma")
         l = self.lenience
         if isinstance(l, bool) or not isinstance(l, (int, float)) or math.isnan(l) or not (0 < l <= 1):
-            raise InvalidArgumentError(f"lenience must be in (0, 1] (1 = exact, Appendix A.5); got {l!r}")
+            raise InvalidArgumentError(f"lenience (CLI --lenience) must be in (0, 1] (1 = exact, Appendix A.5); got {l!r}")
         v = self.vocab_size
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise InvalidArgumentError(f"vocab_size must be a positive integer or None; got {v!r}")

@@ -67,7 +67,7 @@ def _print_row(row: dict, auto_shown: bool = False) -> None:
     print(f"    alpha (E[sum min(p, q)])       {_fmt(row['alpha'])}")
     print(f"    c (draft step / verify call)   {_fmt(row['c'])}")
     print(f"    tokens per round               {_fmt(row['tokens_per_round'], '.2f')} "
-          f"(theory (1 - a^(g+1))/(1 - a): {_fmt(row['expected_tokens_per_round'], '.2f')})")
+          f"(theory (1 - a^(g+1))/(1 - a) at each round's own gamma: {_fmt(row['expected_tokens_per_round'], '.2f')})")
     print(f"    tokens/s plain                 {_fmt(row['plain_tokens_per_s'], '.1f')} (median of the repeats)")
     print(f"    tokens/s speculative           {_fmt(row['spec_tokens_per_s'], '.1f')}")
     # each repeat's ratio is taken within the repeat, so this is not the ratio of the two medians above

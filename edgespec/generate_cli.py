@@ -23,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt-file", metavar="PATH",
                         help="read the prompt from a UTF-8 text file ('-': standard input), as written (a final "
                              "newline is part of it), e.g. code that the output will repeat, for --draft ngram")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="tokens to generate at most (default 64); generation also ends at the bundle's EOS token")
+    parser.add_argument("--stop-token-ids", default=None, metavar="ID[,ID...]",
+                        help="comma-separated token ids that also end generation (kept as the last token), "
+                             "as the API's stop_token_ids")
     parser.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
@@ -72,6 +76,17 @@ def parse_gamma(value: str, flag: str = "--gamma") -> int | None:
     if g < 1:
         raise InvalidArgumentError(f"{flag}: gamma must be an integer >= 1 or 'auto' (chosen every round); got {value!r}")
     return g
+
+
+def parse_token_ids(value: str | None, flag: str) -> tuple[int, ...]:
+    """A comma-separated list of token ids (None: none)."""
+    if value is None:
+        return ()
+    parts = [v.strip() for v in value.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise InvalidArgumentError(f"{flag} takes comma-separated non-negative integer token ids (e.g. {flag} 13,198); "
+                                   f"got {value!r}")
+    return tuple(int(p) for p in parts)
 
 
 def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> str:
@@ -171,6 +186,7 @@ def run(args: argparse.Namespace) -> int:
     from .report import json_safe
 
     gamma = parse_gamma(args.gamma)
+    stop_ids = parse_token_ids(args.stop_token_ids, "--stop-token-ids")
     _check_flags(args, gamma)
     if args.seed is not None and args.seed < 0:
         raise InvalidArgumentError(f"--seed must be a non-negative integer (or left out for a fresh seed); got {args.seed}")
@@ -199,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
                                        f"with --draft{ngram}, or drop {' and '.join(idle)}")
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   gamma=gamma, lenience=args.lenience, seed=args.seed, use_draft=not args.no_draft,
-                  drafter=args.draft)
+                  drafter=args.draft, stop_token_ids=stop_ids)
     # Appendix A.5: l < 1 keeps more drafts, so the output is no longer the target's distribution
     # (greedy is unaffected: a draft is kept only if it is the target's argmax).
     exact = args.no_draft or args.lenience == 1.0 or args.temperature == 0
@@ -230,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _summary(out) -> None:
     s = out.stats.to_dict()
-    keys = ("acceptance_rate", "tokens_per_target_call", "target_calls", "draft_calls")
+    keys = ("alpha", "acceptance_rate", "tokens_per_target_call", "target_calls", "draft_calls")
     info = ", ".join(f"{k}={_fmt(s[k])}" for k in keys if k in s)
     print(f"[{len(out.ids)} tokens, finish={out.finish_reason}; {info}]", file=sys.stderr)
 

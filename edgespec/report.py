@@ -158,10 +158,13 @@ def format_table(rows: list[dict]) -> str:
     notes = ["speedup: end to end (prefill and first token included), the median of the per-repeat spec / plain "
              "ratios [their IQR]; decode: the rate after the first token "
              "(time per output token), the part a draft can speed up",
+             "(theory): (1 - a^(g+1)) / (1 - a) averaged over the rounds, each at its own gamma (a round is "
+             "shortened near --max-new-tokens, and adaptive gamma varies), so it can sit below the formula at the row's gamma",
              "c: a draft step's time over a verify call's; V: a verify call's time in plain target steps "
-             "(Theorem 3.8 assumes 1); Thm3.8: the theorem with alpha and its c, a draft step over a plain target "
-             "step (c x V; as `edgespec plan` takes it); Thm3.8(V): the prediction with the measured verify cost, "
-             "E / ((gamma c + 1) V), called Thm 3.8 / V before the Thm3.8 column took c x V; with lenience < 1 the theory columns use the test's keep probability, not alpha",
+             "(Theorem 3.8 assumes 1)",
+             "Thm3.8: the theorem with alpha and its c, a draft step over a plain target step (c x V, as "
+             "`edgespec plan` takes it); Thm3.8(V): the prediction with the measured verify cost, "
+             "E / ((gamma c + 1) V); with lenience < 1 the theory columns use the test's keep probability, not alpha",
              "fewer reads: the target's weight and KV bytes per token, plain over speculative (the draft's are "
              "in bench.json)"]
     return "\n".join(lines + notes)

@@ -84,12 +84,12 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(c_hat, (int, float)) or not math.isfinite(c_hat) or c_hat < 0:
         raise InvalidArgumentError(f"--c-hat must be a finite number >= 0; got {c_hat!r}")
     best = optimal_gamma(a, c, args.max_gamma)
-    print(f"alpha = {a:g}, c = {c:g}")
+    print(f"alpha = {a:g}, c = {c:g}" + (f", c-hat = {c_hat:g}" if args.c_hat is not None else ""))
     print(f"{'gamma':>5}  {'tokens/round':>12}  {'speedup (Thm 3.8)':>17}  {'ops factor (3.11)':>17}  {'reads/token':>11}")
     for g in range(1, args.max_gamma + 1):
         mark = "  <- best" if g == best else ""
         print(f"{g:>5}  {expected_tokens(a, g):>12.3f}  {speedup(a, g, c):>16.3f}x  "
-              f"{arithmetic_factor(a, g, c_hat):>16.3f}x  {1 / memory_read_reduction(a, g):>10.3g}x{mark}")
+              f"{arithmetic_factor(a, g, c_hat):>16.3f}x  {1 / memory_read_reduction(a, g):>10.3f}x{mark}")
     bound = corollary_bound(a, c)
     edge = " (the largest tabulated: the speedup still rises; raise --max-gamma)" \
         if best == args.max_gamma and args.max_gamma > 1 and speedup(a, best, c) > speedup(a, best - 1, c) else ""
@@ -101,4 +101,8 @@ def run(args: argparse.Namespace) -> int:
         print("alpha <= c: no gamma is guaranteed to help (Corollary 3.9); use a cheaper or better draft")
     else:
         print(f"Corollary 3.9 lower bound for the best gamma: {bound:.3f}x")
+    print("tokens/round: (1 - alpha^(g+1)) / (1 - alpha); speedup: Theorem 3.8, tokens/round / (g c + 1)\n"
+          "ops factor: Theorem 3.11, arithmetic operations per token over plain decoding's (c-hat: a draft "
+          "step's operations over a target step's)\n"
+          "reads/token: the target's weight and KV bytes read per token over plain decoding's, 1 / tokens/round")
     return 0

@@ -94,7 +94,8 @@ def resolve_providers(names: Sequence[str] | str) -> tuple[str, ...]:
 
     names = provider_names(names)
     if not names:
-        raise ProviderError(f"no execution provider given; available: {', '.join(available_providers())}")
+        raise ProviderError(f"no execution provider given; name one or more, in order (e.g. providers=['cpu'], CLI "
+                            f"--provider cpu); available: {', '.join(available_providers())}")
     have = ort.get_available_providers()
     out = []
     for name in names:

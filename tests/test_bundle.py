@@ -28,6 +28,8 @@ def test_missing_bundle_and_manifest(tmp_path, bundle_copy):
     (b / contract.MANIFEST_NAME).unlink()
     with pytest.raises(BundleError, match="not an edgespec bundle"):
         load_bundle(b)
+    with pytest.raises(BundleError, match=r"is the target/ folder inside a bundle; pass the bundle folder itself"):
+        load_bundle(bundle_copy("t5") / "target")
 
 
 def test_unknown_schema_version(bundle_copy):
@@ -35,7 +37,11 @@ def test_unknown_schema_version(bundle_copy):
     data = json.loads((b / contract.MANIFEST_NAME).read_text())
     data["schema_version"] = 99
     (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
-    with pytest.raises(BundleError, match=r"version 99.*supported: 1.*re-export"):
+    with pytest.raises(BundleError, match=r"version 99 is newer than this edgespec reads \(at most 1\); upgrade edgespec"):
+        load_bundle(b)
+    data["schema_version"] = 0  # older than any this edgespec reads: re-export
+    (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
+    with pytest.raises(BundleError, match=r"version 0 is not supported.*supported: 1.*re-export"):
         load_bundle(b)
     data["schema_version"] = "1"  # a string: said "version '1' is not supported (supported: 1)"
     (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
@@ -93,6 +99,16 @@ def test_lfs_pointer(bundle_copy):
     (b / "draft" / contract.DECODER_FILE).write_text(
         "version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
     with pytest.raises(BundleError, match="git lfs pull"):
+        load_bundle(b)
+
+
+def test_lfs_pointer_as_external_data(bundle_copy):
+    """A pointer in place of model.onnx.data was called 'truncated': copying it again would not help."""
+    b = bundle_copy()
+    graph = b / "target" / contract.DECODER_FILE
+    (data,) = set(onnx_external_data_locations(graph))
+    (graph.parent / data).write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n")
+    with pytest.raises(BundleError, match=f"external data file '{data}' is a Git LFS pointer file.*git lfs pull"):
         load_bundle(b)
 
 

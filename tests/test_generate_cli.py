@@ -36,6 +36,24 @@ def test_stream_json_no_draft_show_drafts(tiny_bundle, capsys):
     assert "\x1b[" not in out  # not a TTY: brackets, no ANSI codes
 
 
+def test_stop_token_ids(tiny_bundle, capsys):
+    """--stop-token-ids ends generation after the first of them, as the API's stop_token_ids; the
+    speculative and the plain path stop at the same place."""
+    b = str(tiny_bundle("gpt2"))
+    argv = ["generate", b, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "12", "--json"]
+    assert main(argv) == 0
+    full = json.loads(capsys.readouterr().out)["ids"]
+    stop = full[5]
+    cut = full[: full.index(stop) + 1]
+    for extra in ([], ["--no-draft"], ["--gamma", "3"]):
+        assert main(argv + ["--stop-token-ids", f"{stop}, {stop + 1}"] + extra) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["ids"] == cut and out["finish_reason"] == "stop", extra
+    for bad in ("x", "-1", "3,,4", ""):
+        _fails(argv + ["--stop-token-ids", bad], capsys, "--stop-token-ids takes comma-separated non-negative integer")
+    _fails(argv + ["--stop-token-ids", "100000"], capsys, "can never be generated")
+
+
 def test_no_draft_needs_only_the_target(bundle_copy, capsys):
     """Plain decoding reads only the target's files: a broken or missing draft does not stop it
     (and the draft is still checked when it is used)."""
@@ -65,7 +83,7 @@ def test_contradictory_flags(tiny_bundle, capsys):
     _fails(["generate", b, "--prompt", "x", "--no-draft", "--draft-threads", "2"], capsys, "--draft-threads has no effect")
     _fails(["generate", b, "--prompt", "x", "--draft", "ngram", "--draft-provider", "cpu"], capsys,
            "--draft ngram uses no draft model: --draft-provider has no effect")
-    _fails(["generate", b, "--prompt", "x", "--lenience", "0"], capsys, "lenience must be in (0, 1]")
+    _fails(["generate", b, "--prompt", "x", "--lenience", "0"], capsys, "lenience (CLI --lenience) must be in (0, 1]")
 
 
 def test_lenience_below_one_says_it_is_not_exact(tiny_bundle, capsys):
