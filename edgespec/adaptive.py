@@ -9,9 +9,10 @@ drafting when one more draft token is expected to lower the round's rate
     E[tokens | i] = 1 + sum_{j <= i} prod_{m <= j} a_m        (a_m: predicted keep probability).
 
 Adding draft i + 1 raises the rate iff its marginal gain over marginal cost beats the current
-rate (a ratio of sums). The decision uses only the draft's information and past rounds, never
-the target's verdict on this round, so exactness is untouched (Appendix A.1 holds for any gamma
-fixed before the target is consulted).
+rate (a ratio of sums). Whether to draft token i + 1 is decided before it is drawn, from the
+draft's information up to token i and past rounds, never the target's verdict on this round, so
+exactness is untouched: each drafted position is an ordinary step of speculative sampling
+(Appendix A.1). Deciding after the draw (dropping a draft for its own low confidence) would not be.
 
 Theorem 3.8's objective includes gamma = 0. Before each round the policy compares the rate its
 drafted rounds achieved (tokens committed over the seconds they took, recent rounds) with a plain

@@ -5,9 +5,12 @@ A drafter has ``vocab_size`` (None if it has no vocabulary of its own), ``start(
 ``room(n_generated)``, ``propose(...) -> (ids [g], q [g, V], confidences [g])`` and
 ``rollback(kept)``; optionally ``learn(examined, target_rows, greedy)``, which the loop calls after
 each verify call (HybridDrafter learns from it: what it learns may shape later rounds only).
-``propose`` may return fewer tokens than asked (even none): a draft length chosen from the draft's
-own information keeps the round exact (Appendix A.1 holds for any gamma fixed before the target is
-consulted)."""
+``propose`` may return fewer tokens than asked (even none). The round stays exact if whether to
+draft token i + 1 is decided before x_{i+1} is drawn, from x_1..x_i, their q rows and earlier
+rounds (never the target's verdict on this round): each position is then an ordinary step of
+speculative sampling (Appendix A.1). Dropping x_{i+1} after drawing it, because of its own
+confidence, biases the output although the target was never consulted (a mutant in
+tests/test_exactness.py)."""
 from __future__ import annotations
 
 import queue
@@ -31,7 +34,7 @@ class ModelDrafter:
     """Drafts autoregressively with a draft model through the Backend protocol."""
 
     # EOS and stop ids (the loop sets them per call): nothing after one can be emitted, so drafting
-    # stops there. A draft length chosen from the drafts alone leaves Appendix A.1 intact.
+    # stops there, decided from the drafts so far before the next is drawn (exact, see above).
     end_ids: frozenset[int] = frozenset()
 
     def __init__(self, backend: Backend):

@@ -30,7 +30,9 @@ def process_logits(logits: np.ndarray, cfg: SamplingConfig, who: str = "model") 
     if not np.isfinite(m).all():                                  # NaN, +inf, or a row all -inf
         _raise_non_finite(logits, who)
     if cfg.greedy:
-        # temperature -> 0 limit: a one-hot distribution on the argmax (first index on ties).
+        # temperature -> 0: a one-hot distribution on the argmax. With tied maxima the limit would
+        # be uniform over them; greedy takes the first index, the same rule everywhere (draft,
+        # verify rows, plain steps), so speculative greedy output equals plain greedy output.
         probs = np.zeros((k, V))                                  # [k, V]
         probs[np.arange(k), np.argmax(logits, axis=-1)] = 1.0
         return probs
@@ -103,9 +105,8 @@ def sample_row(logits: np.ndarray, cfg: SamplingConfig, u: float, out: np.ndarra
     if cfg.temperature != 1.0:
         _divide(out, cfg.temperature)
     np.exp(out, out=out)
-    cdf = np.cumsum(out)                                          # [V] unnormalised
-    out /= cdf[-1]
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), out.shape[0] - 1))
+    out /= out.sum()   # before the CDF: a mass that underflows to 0 here must not be drawn (q(x) > 0)
+    return sample_index(out, u)
 
 
 def sample_index(probs: np.ndarray, u: float) -> int:

@@ -9,8 +9,9 @@ from scipy.stats import chi2, chisquare
 from edgespec.config import SamplingConfig
 from edgespec.sampling import process_logits
 
-# One test's false-alarm rate. Seeds are fixed, so a run is deterministic; the family of
-# ~70 tests below then has a ~1% chance of having been unlucky with the chosen seeds.
+# One check's false-alarm rate. Seeds are fixed, so a run is deterministic; the exactness tests
+# make about 175 checks (each of L positions and L - 1 adjacent pairs), so by the union bound the
+# suite had at most a ~2% chance of having been unlucky with the chosen seeds.
 ALPHA_LEVEL = 1e-4
 
 

@@ -194,10 +194,14 @@ def test_fuzz_ids_in_vocab_and_length_bounds(V, gamma, temperature, top_k, top_p
     tgt = ToyBackend(ToyLM(V, 2, table=table))
     drf = ToyBackend(ToyLM(V, 2, table=np.where(np.isfinite(table), table[::-1] * 0.5, -np.inf)))
     c = cfg(max_new_tokens=max_new, gamma=gamma, sampling=SamplingConfig(temperature, top_k, top_p))
+    outs = []
     for draft in (None, drf):
         r = generate(tgt, [0], c, np.random.default_rng(seed), draft)
         assert 1 <= len(r.tokens) <= max_new
         assert all(0 <= x < V for x in r.tokens)
+        outs.append(r.tokens)
+    if temperature == 0:  # exact ties included: the draft, the verify rows and plain steps take the first argmax
+        assert outs[0] == outs[1]
 
 
 # ----------------------------------------------------------------------------- sampling maths
@@ -238,6 +242,15 @@ def test_sample_row_is_process_logits_then_sample_index(sampling):
         out = np.full(64, np.nan)                                                 # [V] overwritten
         assert sample_row(logits, sampling, u, out) == sample_index(ref, u)
         np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-12)
+
+
+def test_sample_row_never_draws_a_token_whose_probability_underflowed():
+    """exp(-744.4) is the smallest subnormal: it vanished when the row was normalised after its
+    CDF was taken, so u = 0 drew token 0 and reported q(x) = 0, which the acceptance test then
+    read as "keep whenever p(x) > 0" (a review's find)."""
+    out = np.empty(4)
+    x = sample_row(np.array([-744.4, 0.0, 0.0, 0.0], dtype=np.float32), SamplingConfig(1.0), 0.0, out)
+    assert out[x] > 0 and x == 1
 
 
 def test_a_subnormal_temperature_is_greedy_without_warnings():

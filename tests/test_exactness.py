@@ -18,7 +18,8 @@ from stats_helpers import ALPHA_LEVEL, chi2_pvalue, exact_sequences, min_power_a
 
 V, ORDER = 4, 3            # context-dependent target: logits depend on the last two tokens
 PROMPT = [1, 2]
-N_SAMPLES = 80_000         # >= 0.89 power per position against a TV error of 0.01 (checked below)
+N_SAMPLES = 80_000         # >= 0.89 power per position against a TV error of 0.01 (checked below;
+                           # 0.56 for a pair of positions, whose table has 15 degrees of freedom)
 
 
 def make_pair(noise: float = 2.0):
@@ -118,16 +119,49 @@ def test_draft_with_another_vocabulary_size_is_exact(draft_vocab):
 
     db = Strict(ToyLM(draft_vocab, ORDER, seed=5, scale=1.5), 64)
     cls = lambda _db: ModelDrafter(db)  # noqa: E731
-    target, outs, _, kinds = sample_outputs(3, sampling, N_SAMPLES // 2, seed=13, draft_factory=cls)
+    target, outs, _, kinds = sample_outputs(3, sampling, N_SAMPLES, seed=13, draft_factory=cls)  # (half: power 0.36)
     assert {"accepted", "recovered", "bonus"} <= kinds
     assert (outs == V - 1).any()  # the target's last id appears (the draft with 3 ids never proposes it)
     assert_matches_target(target, outs, sampling, f"draft vocabulary {draft_vocab}, target {V}")
 
 
+class _Stops(AdaptiveGamma):
+    """The adaptive policy, counting how often it stops a round early and how often it goes on."""
+
+    def __init__(self, max_gamma: int, fixed_costs: tuple[float, float] | None = None):
+        super().__init__(max_gamma, fixed_costs=fixed_costs)
+        self.stops = self.goes = 0
+
+    def keep_going(self, i: int, confidence: float) -> bool:
+        go = self._go(i, confidence)
+        self.goes += go
+        self.stops += not go
+        return go
+
+    def _go(self, i: int, confidence: float) -> bool:
+        return super().keep_going(i, confidence)
+
+
+class _Threshold(_Stops):
+    """Always drafts, and stops after a draft the draft gave less than 0.5: an early stop that
+    engages in every round, from the first (the shipped policy learns first), so that a drafter
+    that asks it about the wrong draft is caught."""
+
+    def draft_next(self) -> bool:
+        return True
+
+    def _go(self, i: int, confidence: float) -> bool:
+        return confidence >= 0.5
+
+
 def test_adaptive_gamma_is_exact():
+    """One policy for every sample, as an Engine keeps one, priced so that it both stops rounds
+    early and goes on (a fresh policy per 6-token call never stops: it learns first)."""
     sampling = SamplingConfig(1.0)
-    target, outs, _, kinds = sample_outputs(4, sampling, N_SAMPLES, adaptive=True, seed=11)
+    policy = _Stops(4, fixed_costs=(0.05, 0.1))
+    target, outs, _, kinds = sample_outputs(4, sampling, N_SAMPLES, adaptive=True, seed=11, policy=policy)
     assert {"accepted", "recovered", "bonus"} <= kinds
+    assert policy.stops > N_SAMPLES // 10 and policy.goes > N_SAMPLES // 10, (policy.stops, policy.goes)
     assert_matches_target(target, outs, sampling, "adaptive gamma")
 
 
@@ -197,8 +231,11 @@ def test_lookahead_drafter_is_exact(sampling, adaptive):
     """Drafts made while the target verified are reused when the round's last token is the one
     they assumed; outputs of 7 tokens span several rounds, so reused rounds are in the sample."""
     factory = _shared(LookaheadDrafter)
-    target, outs, _, kinds = sample_outputs(2, sampling, N_SAMPLES, factory, seed=13, adaptive=adaptive, length=7)
+    policy = _Threshold(2) if adaptive else None   # reused rounds too are cut by the policy
+    target, outs, _, kinds = sample_outputs(2, sampling, N_SAMPLES, factory, seed=13, adaptive=adaptive, length=7,
+                                            policy=policy)
     assert factory(None).reused_rounds > N_SAMPLES // 10, factory(None).reused_rounds
+    assert policy is None or policy.stops > N_SAMPLES // 10, policy.stops
     assert {"accepted", "recovered", "bonus"} <= kinds
     assert_matches_target(target, outs, sampling, "lookahead drafter")
 
@@ -234,6 +271,35 @@ def test_lookahead_mutants_are_caught(mutant):
         assert_matches_target(target, outs, sampling, mutant.__name__)
 
 
+def _peeking(cls):
+    """Mutant of a drafter: whether draft i + 1 is proposed is decided from draft i + 1's own
+    confidence, after it was drawn (the policy is asked about the draft it decides on, one
+    position late). A draft length chosen from the draft's own information is exact only if
+    drafting token i + 1 is decided before x_{i+1} is drawn, from x_1..x_i: this keeps a draft
+    more often when the draft liked it, which biases the output although the target was never
+    consulted."""
+    class Peeking(cls):
+        def propose(self, generated, gamma, sampling, rng, vocab, keep_going=None):
+            go_on = None if keep_going is None else (lambda i, c: True)  # (asked, the draft computes confidences)
+            ids, q, conf = super().propose(generated, gamma, sampling, rng, vocab, go_on)  # [g], [g, V], [g]
+            m = next((i for i in range(1, ids.shape[0]) if keep_going is not None and not keep_going(i, conf[i])),
+                     ids.shape[0])
+            return ids[:m], q[:m], conf[:m]
+    Peeking.__name__ = f"Peeking{cls.__name__}"
+    return Peeking
+
+
+@pytest.mark.parametrize("base", [ModelDrafter, LookaheadDrafter], ids=["model", "lookahead"])
+def test_early_stop_mutants_are_caught(base):
+    sampling = SamplingConfig(1.0)
+    policy = _Threshold(3)
+    target, outs, _, _ = sample_outputs(3, sampling, N_MUTANT, _shared(_peeking(base)), seed=17, adaptive=True,
+                                        length=7, policy=policy)
+    assert policy.stops > N_MUTANT // 10, policy.stops
+    with pytest.raises(AssertionError, match="differs from the target"):
+        assert_matches_target(target, outs, sampling, f"early stop one draft late ({base.__name__})")
+
+
 class _Forced(HybridDrafter):
     """Learns nothing: a lookup token takes every position where it differs and the model's
     sureness is 0.5 or more (bins 5-9), and none elsewhere, so that the bin decides."""
@@ -267,8 +333,11 @@ def test_hybrid_drafter_is_exact(cls, sampling, adaptive):
     with lookup forced in half the sureness bins (so replaced positions, and the bin rule, are in
     the sample)."""
     factory = _shared(cls)  # one for every sample, as an Engine keeps one
-    target, outs, _, kinds = sample_outputs(3, sampling, N_SAMPLES, factory, seed=15, adaptive=adaptive, length=7)
+    policy = _Threshold(3) if adaptive else None
+    target, outs, _, kinds = sample_outputs(3, sampling, N_SAMPLES, factory, seed=15, adaptive=adaptive, length=7,
+                                            policy=policy)
     assert factory(None).replaced > N_SAMPLES // 20, factory(None).replaced
+    assert policy is None or policy.stops > N_SAMPLES // 10, policy.stops
     assert {"accepted", "recovered", "bonus"} <= kinds
     assert_matches_target(target, outs, sampling, f"hybrid drafter ({cls.__name__})")
 
