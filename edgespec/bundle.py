@@ -27,6 +27,11 @@ from .errors import BundleError, UnsafeFileError
 LFS_POINTER_PREFIX = b"version https://git-lfs"
 
 
+def _is_lfs_pointer(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        return fh.read(len(LFS_POINTER_PREFIX)) == LFS_POINTER_PREFIX
+
+
 @dataclass(frozen=True)
 class ModelManifest:
     """What the runtime (and memory-read accounting) needs to know about one exported model."""
@@ -234,9 +239,10 @@ def load_bundle(folder: str | os.PathLike, *, allow_partial: bool = False,
             + (f"its bundle/ (which edgespec demo exports) is {str(root / 'bundle')!r}" if ready else
                f"export one: edgespec export --target {shlex.quote(str(root / 'target'))} --draft "
                f"{shlex.quote(str(root / 'draft'))} --out BUNDLE"))
-    if not mpath.is_file() and (root.parent / contract.MANIFEST_NAME).is_file():  # a bundle's target/ or draft/
-        raise BundleError(f"{str(root)!r} is the {root.name}/ folder inside a bundle; pass the bundle folder itself, "
-                          f"{str(root.parent)!r}")
+    parent = root.resolve().parent   # (resolved: "." inside target/ has no parent of its own)
+    if not mpath.is_file() and (parent / contract.MANIFEST_NAME).is_file():  # a bundle's target/ or draft/
+        raise BundleError(f"{str(root)!r} is the {root.resolve().name}/ folder inside a bundle; pass the bundle folder "
+                          f"itself, {str(parent)!r}")
     if not mpath.is_file():
         raise BundleError(
             f"{str(root)!r} has no {contract.MANIFEST_NAME}; it is not an edgespec bundle "
@@ -289,12 +295,11 @@ def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
             raise BundleError(f"bundle is missing {p}; copy the whole bundle or re-export it with `edgespec export`")
         if p.stat().st_size == 0:
             raise BundleError(f"{p} is empty (interrupted copy?); copy the bundle again or re-export it")
-        with open(p, "rb") as fh:
-            if fh.read(len(LFS_POINTER_PREFIX)) == LFS_POINTER_PREFIX:
-                raise BundleError(
-                    f"{p} is a Git LFS pointer file, not the model; run `git lfs pull` (or download the real file) "
-                    "in the repository the bundle came from"
-                )
+        if _is_lfs_pointer(p):
+            raise BundleError(
+                f"{p} is a Git LFS pointer file, not the model; run `git lfs pull` (or download the real file) "
+                "in the repository the bundle came from"
+            )
     for name in model.files.values():
         check_onnx_file(folder / name)
 
@@ -465,10 +470,9 @@ def check_onnx_file(path: Path) -> None:
             raise BundleError(f"{path}: external data {loc!r} has an offset or length that is not a number (corrupt); "
                               "re-export the bundle") from None
         size = target.stat().st_size
-        with open(target, "rb") as fh:
-            if fh.read(len(LFS_POINTER_PREFIX)) == LFS_POINTER_PREFIX:
-                raise BundleError(f"{path}: external data file {loc!r} is a Git LFS pointer file, not the weights; run "
-                                  "`git lfs pull` (or download the real file) in the repository the bundle came from")
+        if _is_lfs_pointer(target):
+            raise BundleError(f"{path}: external data file {loc!r} is a Git LFS pointer file, not the weights; run "
+                              "`git lfs pull` (or download the real file) in the repository the bundle came from")
         if end > size:  # ONNX Runtime would blame the .onnx file in a raw message
             raise BundleError(f"{path}: external data file {loc!r} is truncated ({size} bytes; its tensors end at "
                               f"byte {end}); copy the whole model folder again or re-export the bundle")

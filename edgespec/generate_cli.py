@@ -83,7 +83,7 @@ def parse_token_ids(value: str | None, flag: str) -> tuple[int, ...]:
     if value is None:
         return ()
     parts = [v.strip() for v in value.split(",")]
-    if not all(p.isdigit() for p in parts):
+    if not all(p.isascii() and p.isdigit() for p in parts):  # ('²'.isdigit() is True, int('²') fails)
         raise InvalidArgumentError(f"{flag} takes comma-separated non-negative integer token ids (e.g. {flag} 13,198); "
                                    f"got {value!r}")
     return tuple(int(p) for p in parts)
