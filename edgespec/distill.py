@@ -29,11 +29,9 @@ from . import contract
 from .corpus import bar_options
 from .errors import CheckpointError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError, TrainingError
 from .cli import at_least
-from .outputs import DRAFT_FILES, check_output_folder, check_writable, swap_into_place, usual_permissions
+from .outputs import DRAFT_FILES, TOKENIZER_FILES, check_output_folder, check_writable, swap_into_place, usual_permissions
 
 MODES = ("mix", "kl", "tv")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 
 
 # ----------------------------------------------------------------------------- alpha
@@ -554,7 +552,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     tmp.mkdir(parents=True)
     try:
         draft.save_pretrained(tmp, safe_serialization=True)
-        for name in _TOKENIZER_FILES:
+        for name in TOKENIZER_FILES:
             if (target_dir / name).is_file():
                 shutil.copyfile(target_dir / name, tmp / name)
         _write_json_atomic(report, tmp / "distill.json")

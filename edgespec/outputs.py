@@ -25,33 +25,61 @@ def usual_permissions(path: str | os.PathLike, recursive: bool = False) -> None:
 
 
 class OwnedNames:
-    """The names a command writes at the top of its output folder (exact names and glob patterns):
-    --overwrite replaces such a folder only if it holds nothing else (drafts distilled into a pair's
-    folder, bundles exported there, notes)."""
+    """The names a command writes in its output folder (exact names and glob patterns), and for the
+    subfolders it writes, the names it writes in them (``folders``): --overwrite replaces such a folder
+    only if it holds nothing else, at any depth (drafts distilled into a pair's folder, bundles
+    exported there, notes, a user's file put in a bundle's target/)."""
 
-    def __init__(self, names=(), patterns=()):
+    def __init__(self, names=(), patterns=(), folders=None):
         self.names, self.patterns = frozenset(names), tuple(patterns)
+        self.folders: dict[str, OwnedNames] = dict(folders or {})
 
     def __contains__(self, name: str) -> bool:
-        return name in self.names or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+        return name in self.names or name in self.folders or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
 
     def __or__(self, names) -> "OwnedNames":
-        return OwnedNames(self.names | set(names), self.patterns)
+        return OwnedNames(self.names | set(names), self.patterns, self.folders)
+
+    def with_tree(self, folder: Path) -> "OwnedNames":
+        """These names and everything ``folder`` holds (a command's new output, about to replace its
+        old one: what it wrote now is its own, also where the old output holds the same names)."""
+        folders = dict(self.folders)
+        for name, owned in self.folders.items():
+            if (folder / name).is_dir() and not (folder / name).is_symlink():
+                folders[name] = owned.with_tree(folder / name)
+        return OwnedNames(self.names | set(os.listdir(folder)), self.patterns, folders)
 
 
-PAIR_FILES = OwnedNames({"target", "draft", "pair.json", "bundle"})  # bundle: edgespec demo's export of the pair
-BUNDLE_FILES = OwnedNames({"edgespec.json", "target", "draft"})
-# a Hugging Face model folder as save_pretrained writes it (sharded weights too) plus distill.json;
-# the tokenizer's files are distill's _TOKENIZER_FILES (a test keeps the two lists together)
-DRAFT_FILES = OwnedNames({"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                          "distill.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                          "tokenizer.model", "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja"},
-                         ("model-*-of-*.safetensors",))
+# The tokenizer's files as save_pretrained writes them (distill's and the pair's drafts, optimum's
+# copy beside an exported graph); a Hugging Face model folder (sharded weights too) adds these.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "spiece.model",
+                   "sentencepiece.bpe.model", "vocab.txt")
+HF_MODEL_FILES = OwnedNames({"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                             *TOKENIZER_FILES}, ("model-*-of-*.safetensors",))
+DRAFT_FILES = HF_MODEL_FILES | {"distill.json"}
+# export.xla's artifacts (its xla/ folder: export --xla, or the XLA exporter alone)
+XLA_FILES = OwnedNames({"xla.json", "weights.safetensors", "config.json"}, ("encode_*.bin", "extend_*.bin", "prefill_*.bin"))
+# a bundle's target/ or draft/: ONNX graphs and their external data, the source's config and tokenizer
+ROLE_FILES = OwnedNames({"config.json", "generation_config.json", *TOKENIZER_FILES},
+                        ("*.onnx", "*.onnx.data", "*.onnx_data"), {"xla": XLA_FILES})
+BUNDLE_FILES = OwnedNames({"edgespec.json"}, folders={"target": ROLE_FILES, "draft": ROLE_FILES})
+PAIR_FILES = OwnedNames({"pair.json"}, folders={"target": HF_MODEL_FILES, "draft": HF_MODEL_FILES,
+                                                "bundle": BUNDLE_FILES})  # bundle: edgespec demo's export of the pair
 
 
 def foreign_names(folder: Path, owned: OwnedNames) -> list[str]:
-    """The entries of ``folder`` that are not among the ``owned`` names, sorted."""
-    return sorted(n for n in os.listdir(folder) if n not in owned)
+    """The entries of ``folder`` that are not among the ``owned`` names, at any depth of the owned
+    subfolders (as relative paths: ``target/notes.txt``), sorted. A symbolic link is judged by its
+    name: replacing the folder removes the link, never what it points to."""
+    out = []
+    for name in sorted(os.listdir(folder)):
+        path = folder / name
+        if name not in owned:
+            out.append(name)
+        elif name in owned.folders and path.is_dir() and not path.is_symlink():
+            out += [f"{name}/{inner}" for inner in foreign_names(path, owned.folders[name])]
+    return out
 
 
 def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
@@ -130,7 +158,7 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
                                     f"(another run with the same {flag}?); nothing was replaced: choose another "
                                     f"{flag} and run again") from None
         return
-    check_swap(dest, overwrite, marker, what, flag, owned if owned is None else owned | set(os.listdir(new)))
+    check_swap(dest, overwrite, marker, what, flag, owned if owned is None else owned.with_tree(new))
     old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
     os.replace(dest, old / dest.name)
     try:

@@ -32,7 +32,7 @@ import numpy as np
 
 from edgespec import contract
 from edgespec.errors import EdgeSpecWarning, InvalidArgumentError, OutputExistsError
-from edgespec.outputs import OwnedNames, check_output_folder, check_writable, swap_into_place, usual_permissions
+from edgespec.outputs import XLA_FILES, check_output_folder, check_writable, swap_into_place, usual_permissions
 
 FORMAT = "edgespec-xla"
 FORMAT_VERSION = 1
@@ -40,8 +40,6 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 XLA_SUBDIR = "xla"
 MANIFEST = "xla.json"
 WEIGHTS = "weights.safetensors"
-# what _write_xla writes: --overwrite replaces an xla/ folder only if it holds nothing else
-XLA_FILES = OwnedNames({MANIFEST, WEIGHTS, "config.json"}, ("encode_*.bin", "extend_*.bin", "prefill_*.bin"))
 
 
 from edgespec.runtimes.xla_backend import _sha256  # noqa: E402  (one digest helper for writer and reader)

@@ -53,6 +53,12 @@ def test_demo_end_to_end_on_tiny_preset(tmp_path, monkeypatch, capsys):
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "reusing the trained pair" in err and "reusing the exported bundle" in err
+    # the pair's folder (its bundle included) holds only what train-pair and demo write: --overwrite
+    # would not refuse their own output
+    from edgespec.outputs import PAIR_FILES, foreign_names
+
+    (pair_dir,) = (tmp_path / "cache" / "pairs").iterdir()
+    assert (pair_dir / "bundle" / "target").is_dir() and foreign_names(pair_dir, PAIR_FILES) == []
 
 
 def test_bench_writes_table_json_and_plots(tiny_bundle, tmp_path, capsys):

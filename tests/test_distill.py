@@ -363,10 +363,9 @@ def test_distill_from_init_keeps_its_shape_and_grows(target, corpus, tmp_path):
         distill(target, afile, overwrite=True, **kw)
     assert afile.read_text() == "hi"
     # distill's own files (sharded weights too) are its output; a distilled draft that holds something else is not
-    from edgespec.distill import _TOKENIZER_FILES
-    from edgespec.outputs import DRAFT_FILES
+    from edgespec.outputs import DRAFT_FILES, TOKENIZER_FILES
 
-    assert all(name in DRAFT_FILES for name in (*_TOKENIZER_FILES, "model-00001-of-00002.safetensors",
+    assert all(name in DRAFT_FILES for name in (*TOKENIZER_FILES, "model-00001-of-00002.safetensors",
                                                 "model.safetensors.index.json"))
     assert "notes.txt" not in DRAFT_FILES and "model-notes.safetensors" not in DRAFT_FILES
     (tmp_path / "a" / "notes.txt").write_text("mine")

@@ -229,6 +229,59 @@ def test_output_exists_and_overwrite(tiny_checkpoints, tmp_path, capsys):
     assert (bundle / contract.MANIFEST_NAME).is_file()
 
 
+def test_overwrite_keeps_files_inside_a_bundles_model_folders(tiny_checkpoints, tiny_bundle, tmp_path, capsys):
+    """--overwrite checked only the bundle's top-level names, then deleted a user's files put in its
+    target/ or draft/ with it."""
+    from edgespec.outputs import BUNDLE_FILES, foreign_names
+
+    for arch in ("gpt2", "llama", "t5"):  # an export's own files, every layout: its --overwrite replaces them
+        assert foreign_names(tiny_bundle(arch), BUNDLE_FILES) == [], arch
+    target, draft = tiny_checkpoints("gpt2")
+    bundle = tmp_path / "bundle"
+    export_bundle(target, bundle, draft=draft, progress=None)
+    (bundle / "target" / "notes.txt").write_text("mine")
+    (bundle / "draft" / "mine").mkdir()
+    (bundle / "draft" / "mine" / "w.bin").write_bytes(b"1")
+    with pytest.raises(OutputExistsError, match=r"did not write \(draft/mine, target/notes.txt\)"):
+        export_bundle(target, bundle, draft=draft, options=ExportOptions(overwrite=True), progress=None)
+    _cli_fails(["export", "--model", str(target), "--out", str(bundle), "--overwrite"], capsys, "target/notes.txt")
+    assert (bundle / "target" / "notes.txt").read_text() == "mine" and (bundle / "draft" / "mine" / "w.bin").exists()
+    shutil.rmtree(bundle / "draft" / "mine")
+    (bundle / "target" / "notes.txt").unlink()
+    export_bundle(target, bundle, draft=draft, options=ExportOptions(overwrite=True), progress=None)
+    assert (bundle / contract.MANIFEST_NAME).is_file()
+
+
+def test_owned_names_at_any_depth(tmp_path):
+    """The rename's own check (the output may change while a command runs): a file that appeared in
+    the old bundle's target/ is refused; one the new export also wrote is its own; a symbolic link is
+    judged by its name (replacing the folder removes the link, not what it points to)."""
+    from edgespec.errors import OutputExistsError
+    from edgespec.export.xla import MANIFEST, WEIGHTS
+    from edgespec.outputs import BUNDLE_FILES, XLA_FILES, foreign_names, swap_into_place
+
+    assert MANIFEST in XLA_FILES and WEIGHTS in XLA_FILES and "prefill_16.bin" in XLA_FILES
+    old, new = tmp_path / "old", tmp_path / "new"
+    for root in (old, new):
+        (root / "target" / "xla").mkdir(parents=True)
+        for name in ("edgespec.json", "target/model.onnx", "target/model.onnx.data", "target/xla/xla.json"):
+            (root / name).write_text("x")
+    (new / "target" / "vocab.bpe").write_text("new")
+    (old / "target" / "vocab.bpe").write_text("old")   # not an owned name, but the new export writes it too
+    (old / "target" / "xla" / "notes.md").write_text("mine")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "keep.txt").write_text("mine")
+    (old / "draft").symlink_to(tmp_path / "elsewhere")
+    assert foreign_names(old, BUNDLE_FILES) == ["target/vocab.bpe", "target/xla/notes.md"]
+    with pytest.raises(OutputExistsError, match=r"did not write \(target/xla/notes.md\)"):
+        swap_into_place(new, old, True, "edgespec.json", "an edgespec bundle", owned=BUNDLE_FILES)
+    assert (old / "target" / "xla" / "notes.md").exists() and (new / "target" / "vocab.bpe").exists()
+    (old / "target" / "xla" / "notes.md").unlink()
+    swap_into_place(new, old, True, "edgespec.json", "an edgespec bundle", owned=BUNDLE_FILES)
+    assert (old / "target" / "vocab.bpe").read_text() == "new" and not (old / "draft").exists()
+    assert (tmp_path / "elsewhere" / "keep.txt").read_text() == "mine"
+
+
 def test_corrupt_or_mismatched_weights_fail_before_any_work(tiny_checkpoints, tmp_path, capsys):
     """A truncated or empty safetensors file is found by reading its header, before the target is
     exported; a config.json that does not match the weights is a typed error, not a traceback."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -174,6 +175,13 @@ def test_output_exists_and_overwrite(pair, corpus, tmp_path):
     with pytest.raises(OutputExistsError, match=r"also holds what this command did not write \(NOTES.txt, distilled\)"):
         train_pair("tiny", corpus, out, progress=False, overwrite=True)
     assert (out / "NOTES.txt").read_text() == "mine" and (out / "distilled" / "distill.json").exists()
+    # inside the pair's own folders too (--overwrite checked only the top level and deleted these)
+    shutil.rmtree(out / "distilled")
+    (out / "NOTES.txt").unlink()
+    (out / "target" / "NOTES.txt").write_text("mine")
+    with pytest.raises(OutputExistsError, match=r"did not write \(target/NOTES.txt\)"):
+        train_pair("tiny", corpus, out, progress=False, overwrite=True)
+    assert (out / "target" / "NOTES.txt").read_text() == "mine"
     assert not out.with_name(out.name + ".work").exists()
 
 
@@ -335,7 +343,6 @@ def test_progress_bars_are_sparse_off_a_terminal(monkeypatch, corpus, tmp_path):
 
 def test_a_pair_folder_passed_as_a_bundle_says_where_the_bundle_is(pair, tmp_path):
     """`edgespec generate PAIR` said only 'has no edgespec.json ... run edgespec export again'."""
-    import shutil
 
     from edgespec.bundle import load_bundle
     from edgespec.errors import BundleError
