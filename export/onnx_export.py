@@ -74,6 +74,15 @@ def load_torch_model_at(path: Path, seq2seq: bool):
                 f"the checkpoint in {str(path)!r} {what} {shown}; its config.json does not describe these weights "
                 "(e.g. num_hidden_layers): check that config.json belongs to them, or save the checkpoint again with "
                 "save_pretrained(..., safe_serialization=True)")
+    # A NaN or inf weight (a diverged training run saves them) makes NaN logits in PyTorch and ONNX
+    # alike: the validation then blamed the graph ("try --graph optimum") instead of the weights.
+    bad = [(name, int((~torch.isfinite(w)).sum())) for name, w in model.named_parameters()
+           if w.is_floating_point() and not bool(torch.isfinite(w).all())]
+    if bad:
+        shown = ", ".join(f"{name} ({n} values)" for name, n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise CheckpointError(f"the checkpoint in {str(path)!r} holds NaN or infinite weights: {shown}; any model made "
+                              "from it gives NaN logits: export a checkpoint saved before the training diverged, or "
+                              "one whose weights are all finite")
     return model.eval()
 
 

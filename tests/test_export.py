@@ -5,6 +5,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import tiny_models
@@ -282,6 +283,23 @@ def test_owned_names_at_any_depth(tmp_path):
     assert (tmp_path / "elsewhere" / "keep.txt").read_text() == "mine"
 
 
+def test_non_finite_weights_are_named(tiny_checkpoints, tmp_path, capsys):
+    """NaN or inf weights made NaN logits on both sides, and the validation advised another graph."""
+    from safetensors.numpy import load_file, save_file
+
+    target, _ = tiny_checkpoints("gpt2")
+    bad = tmp_path / "bad"
+    shutil.copytree(target, bad)
+    weights = load_file(str(bad / "model.safetensors"))
+    name = next(k for k in sorted(weights) if k.endswith("mlp.c_fc.weight"))
+    weights[name][0, :2] = [np.nan, np.inf]
+    save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"NaN or infinite weights: \S*{name} \(2 values\)"):
+        export_bundle(bad, tmp_path / "out", progress=None)
+    assert not (tmp_path / "out").exists()
+    _cli_fails(["export", "--model", str(bad), "--out", str(tmp_path / "out")], capsys, "saved before the training diverged")
+
+
 def test_corrupt_or_mismatched_weights_fail_before_any_work(tiny_checkpoints, tmp_path, capsys):
     """A truncated or empty safetensors file is found by reading its header, before the target is
     exported; a config.json that does not match the weights is a typed error, not a traceback."""
@@ -555,7 +573,6 @@ def test_int8_target_is_causal_and_exact(tiny_checkpoints, tmp_path, arch):
     token-identical to plain decoding of the same int8 bundle (on these tiny models; the call
     width's rounding noise, which int8 activations amplify, flips near-ties on larger ones:
     benchmarks/call_width.py)."""
-    import numpy as np
 
     import edgespec
 
@@ -587,7 +604,6 @@ def test_longrope_checkpoint_is_capped_where_its_rotary_factors_switch(tmp_path,
     """Phi-3's longrope uses short rotary factors up to original_max_position_embeddings tokens and
     long ones past it; the traced graph keeps the short ones. The bundle must stop at that length
     (with a warning), and up to it the graph must match PyTorch."""
-    import numpy as np
     import torch
     from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -675,7 +691,6 @@ def test_rowwise_int8_converts_gemm_and_names_what_stays_fp32(tmp_path):
     """Gemm by a constant weight (GPT-2's and OPT's traced graphs) is converted too: transB, alpha
     and beta * C as ONNX defines them, a bias that is a graph input scaled by a node. A Gemm with
     transA and a weight with fewer than 16 inputs stay fp32, and the report says why."""
-    import numpy as np
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -719,7 +734,6 @@ def test_rowwise_int8_weight_shared_by_matmul_and_gemms(tmp_path):
     """One weight read by a MatMul, by a Gemm with transB and by a Gemm with alpha 2 gets one packed
     copy per way of reading it (a shared copy gave a shape error or a 2x error), and a Gemm whose C
     input is the empty name adds no bias."""
-    import numpy as np
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
@@ -755,7 +769,6 @@ def test_target_int8_on_hand_made_graphs(tmp_path, scheme, opset):
     (overridable, so left fp32), ReduceMax's two forms (axes attribute before opset 18, input from
     18), and the result close to fp32 with each row bit-identical whatever the other rows hold, an
     all-zero row included."""
-    import numpy as np
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
