@@ -509,8 +509,9 @@ class Engine:
                           EdgeSpecWarning, stacklevel=2)
         never = [s for s in config.stop_token_ids if s >= self.vocab_size]
         if never:
-            raise InvalidArgumentError(f"stop_token_ids {never[:5]} can never be generated (this bundle's token ids are "
-                                       f"< {self.vocab_size}); pass ids of its tokenizer (engine.encode(text))")
+            raise InvalidArgumentError(f"stop_token_ids (CLI --stop-token-ids) {never[:5]} can never be generated (this "
+                                       f"bundle's token ids are < {self.vocab_size}); pass ids of its tokenizer "
+                                       "(engine.encode(text))")
         ids = self._prompt_ids(prompt_or_ids, use_draft)
         self._check_lengths(len(ids), max_new_tokens)
         if use_draft and len(ids) > prompt_limit(self.draft):

@@ -17,7 +17,7 @@ from . import __version__
 from .backend import prompt_limit
 from .config import SamplingConfig
 from .errors import InvalidArgumentError, PromptTooLongError
-from .cli import at_least
+from .cli import at_least, parse_list
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
 from .report import OtherLoad, format_table, machine_description, plot, source_commit, warn_if_busy, write_json
@@ -63,24 +63,6 @@ def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), t
 
 
 DEFAULT_MAX_NEW_TOKENS = 96  # per prompt; the demo's follow-up suggestion checks that it fits
-
-
-def parse_list(text: str, cast, name: str) -> list:
-    items = text.split(",")
-    if any(not x.strip() for x in items) and any(x.strip() for x in items):  # all blank: "is empty" below
-        raise InvalidArgumentError(f"--{name} has an empty item ({text!r}); separate values with single commas: "
-                                   f"{','.join(x.strip() for x in items if x.strip())}")
-    try:
-        values = [cast(x) for x in items if x.strip()]
-    except InvalidArgumentError:
-        raise
-    except ValueError:
-        raise InvalidArgumentError(f"--{name} takes a comma-separated list; got {text!r}") from None
-    if not values:
-        raise InvalidArgumentError(f"--{name} is empty; give at least one value (a comma-separated list)")
-    if len(set(values)) < len(values):
-        raise InvalidArgumentError(f"--{name} lists a value twice ({text!r}); give each once")
-    return values
 
 
 def _gamma(x: str):
@@ -163,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     from .outputs import check_report_folder
 
     temperatures, leniences = parse_list(args.temperatures, float, "temperatures"), parse_list(args.lenience, float, "lenience")
+    if any(not (math.isfinite(t) and t >= 0) for t in temperatures):  # (SamplingConfig's message names --temperature)
+        raise InvalidArgumentError(f"--temperatures takes finite numbers >= 0 (0 = greedy); got {args.temperatures!r}")
     bad = [x for x in leniences if not 0 < x <= 1]
     if bad:
         raise InvalidArgumentError(f"--lenience takes values in (0, 1] (Appendix A.5; 1 = exact); got {bad[0]:g}")

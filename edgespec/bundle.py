@@ -93,6 +93,11 @@ class BundleManifest:
             raise BundleError(f"{where}: schema_version is the string {version!r}; it must be the integer {version.strip()} "
                               "(no quotes): fix the file or re-export the bundle (`edgespec export ...`)")
         newest = max(contract.SUPPORTED_SCHEMA_VERSIONS)
+        if version is not None and not isinstance(version, str) and (isinstance(version, bool) or not isinstance(version, int)):
+            # true == 1 and 1.0 == 1 in Python: both were read as version 1, and 2.0 was called too old
+            raise BundleError(f"{where}: schema_version is {json.dumps(version)[:40]}, not an integer; write it as an "
+                              f"integer (this edgespec reads {', '.join(map(str, contract.SUPPORTED_SCHEMA_VERSIONS))}) "
+                              "or re-export the bundle (`edgespec export ...`)")
         if isinstance(version, int) and not isinstance(version, bool) and version > newest:
             raise BundleError(f"{where}: manifest schema version {version} is newer than this edgespec reads (at most "
                               f"{newest}); upgrade edgespec (`pip install -U edgespec`), or re-export the bundle with "

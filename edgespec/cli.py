@@ -14,6 +14,7 @@ import threading
 import warnings
 from typing import Callable
 
+from . import errors
 from .errors import EdgeSpecError
 
 # name -> (module, one-line help)
@@ -94,6 +95,26 @@ def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
         return value
     parse.__name__ = f"integer >= {low}" + ("" if high is None else f" and <= {high}")
     return parse
+
+
+def parse_list(text: str, cast, name: str) -> list:
+    """The values of a comma-separated option ``--name`` (each through ``cast``; a ValueError from
+    it is a typed error naming the option): none empty, none twice, at least one."""
+    items = text.split(",")
+    if any(not x.strip() for x in items) and any(x.strip() for x in items):  # all blank: "is empty" below
+        raise errors.InvalidArgumentError(f"--{name} has an empty item ({text!r}); separate values with single commas: "
+                                   f"{','.join(x.strip() for x in items if x.strip())}")
+    try:
+        values = [cast(x) for x in items if x.strip()]
+    except errors.InvalidArgumentError:
+        raise
+    except ValueError:
+        raise errors.InvalidArgumentError(f"--{name} takes a comma-separated list; got {text!r}") from None
+    if not values:
+        raise errors.InvalidArgumentError(f"--{name} is empty; give at least one value (a comma-separated list)")
+    if len(set(values)) < len(values):
+        raise errors.InvalidArgumentError(f"--{name} lists a value twice ({text!r}); give each once")
+    return values
 
 
 def run_script(main: Callable[[], int | None], name: str) -> int:

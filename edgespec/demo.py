@@ -15,7 +15,7 @@ from pathlib import Path
 from . import contract
 from .config import SamplingConfig
 from .errors import BundleError, InvalidArgumentError
-from .cli import at_least
+from .cli import at_least, parse_list
 from .measure import Setting, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
 from .report import OtherLoad, machine_description, warn_if_busy
@@ -94,7 +94,7 @@ def _print_row(row: dict, auto_shown: bool = False) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .api import load
-    from .bench import DEFAULT_MAX_NEW_TOKENS, open_bundle, parse_list
+    from .bench import DEFAULT_MAX_NEW_TOKENS, open_bundle
     from .generate_cli import parse_gamma
     from .pair import get_preset, train_pair
 

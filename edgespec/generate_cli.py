@@ -9,6 +9,7 @@ import sys
 import unicodedata
 
 from .config import DRAFTERS
+from .cli import parse_list
 from .errors import InvalidArgumentError
 
 # --show-drafts marks: ANSI colors on a terminal, brackets otherwise.
@@ -80,13 +81,14 @@ def parse_gamma(value: str, flag: str = "--gamma") -> int | None:
 
 def parse_token_ids(value: str | None, flag: str) -> tuple[int, ...]:
     """A comma-separated list of token ids (None: none)."""
-    if value is None:
-        return ()
-    parts = [v.strip() for v in value.split(",")]
-    if not all(p.isascii() and p.isdigit() for p in parts):  # ('²'.isdigit() is True, int('²') fails)
-        raise InvalidArgumentError(f"{flag} takes comma-separated non-negative integer token ids (e.g. {flag} 13,198); "
-                                   f"got {value!r}")
-    return tuple(int(p) for p in parts)
+    def token_id(text: str) -> int:
+        text = text.strip()
+        if not (text.isascii() and text.isdigit()):  # ('²'.isdigit() is True, int('²') fails)
+            raise InvalidArgumentError(f"{flag} takes comma-separated non-negative integer token ids (e.g. {flag} "
+                                       f"13,198); got {value!r}")
+        return int(text)
+
+    return () if value is None else tuple(parse_list(value, token_id, flag.lstrip("-")))
 
 
 def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> str:

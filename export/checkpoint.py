@@ -57,7 +57,10 @@ def inspect_checkpoint(path: str | Path, role: str) -> Checkpoint:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{cfg_path} is not valid JSON ({exc}); restore the model's config.json") from exc
-    model_type = config.get("model_type")
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type is None:  # (it was called an unsupported architecture, None)
+        raise CheckpointError(f"{cfg_path} names no model_type; a Hugging Face config.json does (e.g. \"model_type\": "
+                              "\"llama\"): save the checkpoint with save_pretrained, or restore its config.json")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{role} checkpoint {str(folder)!r} has model_type {model_type!r}; edgespec export supports "

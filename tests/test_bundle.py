@@ -47,6 +47,12 @@ def test_unknown_schema_version(bundle_copy):
     (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
     with pytest.raises(BundleError, match=r"schema_version is the string '1'; it must be the integer 1 \(no quotes\)"):
         load_bundle(b)
+    for value, shown in ((True, "true"), (1.0, "1.0"), (2.0, "2.0")):  # true and 1.0 loaded as 1; 2.0 was "re-export"
+        data["schema_version"] = value
+        (b / contract.MANIFEST_NAME).write_text(json.dumps(data))
+        with pytest.raises(BundleError, match=rf"schema_version is {shown}, not an integer; write it as an integer "
+                                              r"\(this edgespec reads 1\)"):
+            load_bundle(b)
 
 
 def test_malformed_manifest(bundle_copy):

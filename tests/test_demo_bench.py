@@ -286,7 +286,10 @@ def test_bench_bad_input(tiny_bundle, tmp_path, capsys):
     for extra, needle in ((["--prompts", str(latin)], "is not UTF-8 text"), (["--gammas", ""], "--gammas is empty"),
                           (["--temperatures", " , "], "--temperatures is empty"),
                           (["--gammas", "1,2,1"], "lists a value twice"), (["--gammas", "2,,3"], "has an empty item ('2,,3'); separate values with single commas: 2,3"),
-                          (["--temperatures", "0,"], "--temperatures has an empty item")):
+                          (["--temperatures", "0,"], "--temperatures has an empty item"),
+                          # the sampling config's own message named generate's --temperature
+                          (["--temperatures", "0,-1"], "--temperatures takes finite numbers >= 0 (0 = greedy); got '0,-1'"),
+                          (["--temperatures", "nan"], "--temperatures takes finite numbers")):
         assert main(["bench", str(tiny_bundle("llama")), "--repeats", "1", *extra]) == 2, extra
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, (extra, err)

@@ -203,6 +203,10 @@ def test_unsupported_architecture(tiny_checkpoints, tmp_path):
     (ck / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedArchitectureError, match="gpt2.*llama|llama.*t5"):
         export_bundle(ck, tmp_path / "o", progress=None)
+    del cfg["model_type"]  # no model_type at all: a damaged config, not an unsupported architecture None
+    (ck / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"config.json names no model_type; .*save the checkpoint with save_pretrained"):
+        export_bundle(ck, tmp_path / "o", progress=None)
 
 
 def test_output_exists_and_overwrite(tiny_checkpoints, tmp_path, capsys):

@@ -49,9 +49,12 @@ def test_stop_token_ids(tiny_bundle, capsys):
         assert main(argv + ["--stop-token-ids", f"{stop}, {stop + 1}"] + extra) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["ids"] == cut and out["finish_reason"] == "stop", extra
-    for bad in ("x", "-1", "3,,4", ""):
+    for bad in ("x", "-1", "²"):
         _fails(argv + ["--stop-token-ids", bad], capsys, "--stop-token-ids takes comma-separated non-negative integer")
-    _fails(argv + ["--stop-token-ids", "100000"], capsys, "can never be generated")
+    for bad, needle in (("3,,4", "has an empty item ('3,,4'); separate values with single commas: 3,4"),
+                        ("", "is empty; give at least one value"), ("3,3", "lists a value twice")):
+        _fails(argv + ["--stop-token-ids", bad], capsys, f"--stop-token-ids {needle}")
+    _fails(argv + ["--stop-token-ids", "100000"], capsys, "(CLI --stop-token-ids) [100000] can never be generated")
 
 
 def test_no_draft_needs_only_the_target(bundle_copy, capsys):
