@@ -5,10 +5,12 @@ A drafter has ``vocab_size`` (None if it has no vocabulary of its own), ``start(
 ``room(n_generated)``, ``propose(...) -> (ids [g], q [g, V], confidences [g])`` and
 ``rollback(kept)``; optionally ``learn(examined, target_rows, greedy)``, which the loop calls after
 each verify call (HybridDrafter learns from it: what it learns may shape later rounds only).
-``propose`` may return fewer tokens than asked (even none). The round stays exact if whether to
-draft token i + 1 is decided before x_{i+1} is drawn, from x_1..x_i, their q rows and earlier
-rounds (never the target's verdict on this round): each position is then an ordinary step of
-speculative sampling (Appendix A.1). Dropping x_{i+1} after drawing it, because of its own
+``propose`` may return fewer tokens than asked (even none). The round stays exact if whether
+x_{i+1} is verified does not depend on x_{i+1} itself, given x_1..x_i: it may depend on those, their
+q rows and earlier rounds (never the target's verdict on this round). Deciding before x_{i+1} is
+drawn is the simple way to ensure it (ModelDrafter, the adaptive policy); the lookahead drafter
+decides after its draws, on what does not depend on them. Each position is then an ordinary step
+of speculative sampling (Appendix A.1). Dropping x_{i+1} after drawing it, because of its own
 confidence, biases the output although the target was never consulted (a mutant in
 tests/test_exactness.py)."""
 from __future__ import annotations

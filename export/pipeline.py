@@ -185,7 +185,11 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
         opset = static_kv.build(model, ckpt.model_type, ckpt.config, folder / contract.DECODER_FILE, _max_positions(ckpt))
         shutil.copy2(ckpt.path / contract.CONFIG_FILE, folder / contract.CONFIG_FILE)
     else:
-        progress(f"{role}: exporting ONNX graphs with KV-cache IO (optimum)")
+        # (for a decoder under --graph auto, say why: its static-KV graph copies no cache on a rejection)
+        why = static_kv.unsupported_reason(ckpt.model_type, ckpt.config) if ckpt.kind == contract.KIND_DECODER \
+            and opts.graph == "auto" else None
+        progress(f"{role}: exporting ONNX graphs with KV-cache IO (optimum)"
+                 + (f"; no static-KV graph for {why}, so a rejection compacts the cache" if why else ""))
         opset = export_graphs(model, ckpt, folder, opts.opset)
     shutil.copy2(ckpt.path / contract.TOKENIZER_FILE, folder / contract.TOKENIZER_FILE)
 
@@ -396,12 +400,15 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
     quantized = frozenset(role for role in roles if (options.quantize_target if role == contract.ROLE_TARGET
                                                       else options.quantize_draft) != "none")
     need = _estimate_bytes(roles, xla is not None, layouts, quantized)
+    # the folders above --out that this export makes: a failed export removes them again (if empty)
+    made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_partials(dest)
         _check_free_space(dest.parent, need)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     except OSError as exc:
+        _discard(None, made)
         raise _as_disk_full(exc, dest.parent, need) or exc
     token = uuid.uuid4().hex
     _LIVE_EXPORTS.add(token)
@@ -451,13 +458,13 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
         (dest / PARTIAL_MARKER).unlink()
         _fsync_dir(dest.parent)
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp, made)
         full = _as_disk_full(exc, dest.parent, need)
         if full is not None:
             raise full from exc
         raise
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp, made)
         full = _as_disk_full(exc, dest.parent, need)  # a library may wrap the OSError in its own error
         if full is not None:
             raise full from exc
@@ -465,6 +472,17 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
     finally:
         _LIVE_EXPORTS.discard(token)
     return manifest
+
+
+def _discard(tmp: Path | None, made: list[Path]) -> None:
+    """A failed export's work folder, and the folders above --out it made (deepest first, if still empty)."""
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:
+            break  # something else is in it now, or it is gone: the folders above it stay too
 
 
 # ---- interrupted exports and full disks ----------------------------------------------------------

@@ -401,6 +401,11 @@ def test_validation_over_tolerance_fails_and_leaves_nothing(tiny_checkpoints, tm
     assert _nothing_written(out)
     _cli_fails(["export", "--model", str(target), "--out", str(out), "--quiet"], capsys, "tolerance")
     assert _nothing_written(out)
+    deep = tmp_path / "new" / "deeper" / "bundle"  # the folders made above --out go too (they were left, empty)
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "mine.txt").write_text("x")
+    _cli_fails(["export", "--model", str(target), "--out", str(deep), "--quiet"], capsys, "tolerance")
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["mine.txt"]
     # the advice is for this export (a trial saw --quantize advice for fp32 and --opset for a static graph)
     for options, wanted, unwanted in ((ExportOptions(), "Try --graph optimum", ("--quantize", "--opset")),
                                       (ExportOptions(graph="optimum"), "Try another --opset", ("--quantize", "--graph"))):

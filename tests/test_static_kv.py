@@ -99,8 +99,11 @@ def test_static_graph_refused_where_unsupported(tiny_checkpoints, tmp_path, caps
     odd = make_llama(tmp_path / "head8", hidden=32, heads=4, kv_heads=2)  # head size 8
     with pytest.raises(UnsupportedArchitectureError, match="multiple of 16"):
         export_bundle(odd, tmp_path / "b8", options=ExportOptions(graph="static"), progress=None)
-    m = export_bundle(odd, tmp_path / "b8auto", progress=None)  # auto falls back to the traced graph
+    said: list[str] = []
+    m = export_bundle(odd, tmp_path / "b8auto", progress=said.append)  # auto falls back to the traced graph, and says why
     assert m.target.kv_layout == contract.KV_CONCAT
+    assert any("(optimum); no static-KV graph for head size 8 (ONNX Runtime's GroupQueryAttention needs a multiple "
+               "of 16), so a rejection compacts the cache" in line for line in said), said
 
 
 def test_opset_applies_to_optimum_graphs_only(tiny_checkpoints, tmp_path, capsys):
