@@ -15,6 +15,7 @@ from .errors import InvalidArgumentError
 # --show-drafts marks: ANSI colors on a terminal, brackets otherwise.
 _ANSI = {"accepted": "\x1b[32m", "recovered": "\x1b[33m", "bonus": "\x1b[36m"}
 _BRACKETS = {"accepted": ("[", "]"), "recovered": ("{", "}"), "bonus": ("<", ">")}
+_ESCAPED = frozenset("\\[]{}<>")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, ids, sources, statistics")
     parser.add_argument("--show-drafts", action="store_true",
                         help="print the text when generation ends with each token marked by where it came from: "
-                             "accepted draft token [x], recovered after a rejection {x}, bonus <x> (on a terminal: "
-                             "green, yellow, cyan instead, unless NO_COLOR is set); unmarked tokens are the target's "
+                             "accepted draft token [x], recovered after a rejection {x}, bonus <x>, with the text's own "
+                             "brackets and backslashes escaped as \\[ (on a terminal: green, yellow, cyan instead, "
+                             "unless NO_COLOR is set); unmarked tokens are the target's "
                              "alone (the first token, plain steps: where adaptive gamma found them faster than "
                              "drafting, or there was nothing to draft)")
 
@@ -100,6 +102,8 @@ def render_marked(engine, ids: list[int], sources: list[str], color: bool) -> st
         if i + 1 < len(sources):  # a character whose bytes go on in the next token: shown (and marked) with that one
             text = text.rstrip("\ufffd")
         piece, prev = text[len(prev):], text
+        if not color:  # the text's own brackets (and backslashes) escaped: a mark is then never text
+            piece = "".join("\\" + ch if ch in _ESCAPED else ch for ch in piece)
         # control characters (other than line breaks and tabs) shown escaped, not sent to the terminal
         piece = "".join(ch.encode("unicode_escape").decode("ascii") if unicodedata.category(ch) == "Cc" and
                         ch not in "\n\t" else ch for ch in piece)

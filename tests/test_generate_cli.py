@@ -244,6 +244,16 @@ def test_show_drafts_marks_whitespace_tokens_visibly():
     # format characters (a zero-width non-joiner in Persian) are text; a carriage return is escaped
     out = render_marked(Bytes(), list("a\u200cb\rc".encode()), ["target"] * 7, color=False)
     assert out == "a\u200cb\\rc"
+    # the text's own brackets and backslashes are escaped: "[x]" in the text was read as an accepted x
+
+    class Code:
+        def decode(self, ids):
+            return "".join({1: "a[i]", 2: "[j]", 3: "\\n", 4: "{k}"}[i] for i in ids)
+
+    out = render_marked(Code(), [1, 2, 3, 4], ["target", "accepted", "target", "recovered"], color=False)
+    assert out == "a\\[i\\][\\[j\\]]\\\\n{\\{k\\}}"
+    colored = render_marked(Code(), [1, 2, 3, 4], ["target", "accepted", "target", "recovered"], color=True)
+    assert colored.startswith("a[i]\x1b[32m[j]\x1b[0m\\n")   # colors need no escapes
 
 
 def test_gamma_on_a_single_model_bundle_is_an_error(bundle_copy, capsys):
