@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import errno
 import fnmatch
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable, Iterable
 
-from .errors import OutputExistsError, OutputPathError
+from . import contract
+from .bundle import PARTIAL_MARKER, onnx_external_data_locations
+from .errors import EdgeSpecError, OutputExistsError, OutputPathError
 
 
 def usual_permissions(path: str | os.PathLike, recursive: bool = False) -> None:
@@ -25,29 +29,76 @@ def usual_permissions(path: str | os.PathLike, recursive: bool = False) -> None:
 
 
 class OwnedNames:
-    """The names a command writes in its output folder (exact names and glob patterns), and for the
-    subfolders it writes, the names it writes in them (``folders``): --overwrite replaces such a folder
-    only if it holds nothing else, at any depth (drafts distilled into a pair's folder, bundles
-    exported there, notes, a user's file put in a bundle's target/)."""
+    """The names a command writes in its output folder, for --overwrite to replace that folder only
+    if it holds nothing else, at any depth (drafts distilled into a pair's folder, bundles exported
+    there, notes, a user's file put in a bundle's target/):
 
-    def __init__(self, names=(), patterns=(), folders=None):
-        self.names, self.patterns = frozenset(names), tuple(patterns)
+    - ``names`` and ``patterns``: files (a folder of such a name is not ours: ``target/model.onnx/``);
+    - ``folders``: subfolders, with the names written in them;
+    - ``listed``: reads, from the folder being checked, the names its own manifest lists (a graph's
+      external data, an XLA artifact): ``my-finetune.onnx`` beside them is not ours;
+    - ``scratch``: patterns of a killed run's leftovers (work folders, markers), whatever they hold.
+    """
+
+    def __init__(self, names=(), patterns=(), folders=None, listed=None, scratch=()):
+        self.names, self.patterns, self.scratch = frozenset(names), tuple(patterns), tuple(scratch)
         self.folders: dict[str, OwnedNames] = dict(folders or {})
+        self.listed: Callable[[Path], Iterable[str]] | None = listed
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.names or name in self.folders or any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+    def _replace(self, **changes) -> "OwnedNames":
+        fields = {"names": self.names, "patterns": self.patterns, "folders": self.folders, "listed": self.listed,
+                  "scratch": self.scratch}
+        return OwnedNames(**{**fields, **changes})
 
     def __or__(self, names) -> "OwnedNames":
-        return OwnedNames(self.names | set(names), self.patterns, self.folders)
+        return self._replace(names=self.names | set(names))
+
+    def at(self, folder: Path) -> "OwnedNames":
+        """These names and those that ``folder``'s own manifest lists (none if it is unreadable:
+        then only the fixed names are ours, and the rest is refused, never deleted)."""
+        if self.listed is None:
+            return self
+        try:
+            listed = set(self.listed(folder))
+        except (OSError, ValueError, TypeError, KeyError, AttributeError, EdgeSpecError):
+            listed = set()
+        return self._replace(names=self.names | listed)
+
+    def owns(self, folder: Path, name: str) -> bool:
+        """Is ``folder/name`` ours (a subfolder's contents aside: :func:`foreign_names`)? A symbolic
+        link is judged by its name: replacing the folder removes the link, never what it points to."""
+        path = folder / name
+        if any(fnmatch.fnmatchcase(name, p) for p in self.scratch):
+            return True
+        real_dir = path.is_dir() and not path.is_symlink()
+        if name in self.folders:
+            return real_dir or path.is_symlink()
+        return not real_dir and (name in self.names or any(fnmatch.fnmatchcase(name, p) for p in self.patterns))
 
     def with_tree(self, folder: Path) -> "OwnedNames":
         """These names and everything ``folder`` holds (a command's new output, about to replace its
         old one: what it wrote now is its own, also where the old output holds the same names)."""
-        folders = dict(self.folders)
-        for name, owned in self.folders.items():
-            if (folder / name).is_dir() and not (folder / name).is_symlink():
-                folders[name] = owned.with_tree(folder / name)
-        return OwnedNames(self.names | set(os.listdir(folder)), self.patterns, folders)
+        names, folders = set(self.names), dict(self.folders)
+        for name in os.listdir(folder):
+            path = folder / name
+            if path.is_dir() and not path.is_symlink():
+                folders[name] = folders.get(name, OwnedNames()).with_tree(path)
+            else:
+                names.add(name)
+        return self._replace(names=names, folders=folders)
+
+
+def _graph_external_data(folder: Path) -> set[str]:
+    """The external-data files the ONNX graphs in ``folder`` reference (any name: int8's
+    ``model.onnx.int8.1.data``, optimum's ``model.onnx_data``)."""
+    return {loc for graph in folder.glob("*.onnx") if graph.is_file()
+            for loc in onnx_external_data_locations(graph)}
+
+
+def _xla_artifacts(folder: Path) -> set[str]:
+    """The artifact files ``xla.json`` lists (export.xla's manifest: kind -> size -> {"file": ...})."""
+    manifest = json.loads((folder / "xla.json").read_text())
+    return {entry["file"] for sizes in manifest["artifacts"].values() for entry in sizes.values()}
 
 
 # The tokenizer's files as save_pretrained writes them (distill's and the pair's drafts, optimum's
@@ -55,27 +106,34 @@ class OwnedNames:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "spiece.model",
                    "sentencepiece.bpe.model", "vocab.txt")
+# save_pretrained's folder of named chat templates (optimum copies the tokenizer beside a graph)
+_CHAT_TEMPLATES = {"additional_chat_templates": OwnedNames(patterns=("*.jinja",))}
 HF_MODEL_FILES = OwnedNames({"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                             *TOKENIZER_FILES}, ("model-*-of-*.safetensors",))
+                             *TOKENIZER_FILES}, ("model-*-of-*.safetensors",), _CHAT_TEMPLATES)
 DRAFT_FILES = HF_MODEL_FILES | {"distill.json"}
 # export.xla's artifacts (its xla/ folder: export --xla, or the XLA exporter alone)
-XLA_FILES = OwnedNames({"xla.json", "weights.safetensors", "config.json"}, ("encode_*.bin", "extend_*.bin", "prefill_*.bin"))
-# a bundle's target/ or draft/: ONNX graphs and their external data, the source's config and tokenizer
-ROLE_FILES = OwnedNames({"config.json", "generation_config.json", *TOKENIZER_FILES},
-                        ("*.onnx", "*.onnx.data", "*.onnx_data"), {"xla": XLA_FILES})
+XLA_FILES = OwnedNames({"xla.json", "weights.safetensors", "config.json"}, listed=_xla_artifacts)
+# a bundle's target/ or draft/: its ONNX graphs and the external data they name, the source's config
+# and tokenizer, export --xla's xla/ (and a killed XLA export's work folder)
+ROLE_FILES = OwnedNames({"config.json", "generation_config.json", *TOKENIZER_FILES,
+                         *(name for files in contract.GRAPH_FILES.values() for name in files.values())},
+                        folders={"xla": XLA_FILES, **_CHAT_TEMPLATES}, listed=_graph_external_data,
+                        scratch=(".xla.partial-*", ".xla.old-*"))
 BUNDLE_FILES = OwnedNames({"edgespec.json"}, folders={"target": ROLE_FILES, "draft": ROLE_FILES})
+# bundle: edgespec demo's export of the pair (a killed one leaves its marker, or its work folder)
 PAIR_FILES = OwnedNames({"pair.json"}, folders={"target": HF_MODEL_FILES, "draft": HF_MODEL_FILES,
-                                                "bundle": BUNDLE_FILES})  # bundle: edgespec demo's export of the pair
+                                                "bundle": BUNDLE_FILES | {PARTIAL_MARKER}},
+                        scratch=(".bundle.partial-*", ".bundle.old-*"))
 
 
 def foreign_names(folder: Path, owned: OwnedNames) -> list[str]:
-    """The entries of ``folder`` that are not among the ``owned`` names, at any depth of the owned
-    subfolders (as relative paths: ``target/notes.txt``), sorted. A symbolic link is judged by its
-    name: replacing the folder removes the link, never what it points to."""
+    """The entries of ``folder`` that are not ``owned``, at any depth of the owned subfolders (as
+    relative paths: ``target/notes.txt``), sorted."""
+    owned = owned.at(folder)
     out = []
     for name in sorted(os.listdir(folder)):
         path = folder / name
-        if name not in owned:
+        if not owned.owns(folder, name):
             out.append(name)
         elif name in owned.folders and path.is_dir() and not path.is_symlink():
             out += [f"{name}/{inner}" for inner in foreign_names(path, owned.folders[name])]
@@ -147,16 +205,26 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
     still ``what`` (holds ``marker``). It is moved aside first and removed after, so ``dest`` is
     never a half-replaced mix; if the second rename fails or is interrupted, it is put back."""
     if _vacant(dest):
+        empty = os.stat(dest) if os.path.lexists(dest) else None  # a folder the user made: keep its mode, group
         try:
-            if os.path.lexists(dest):
+            if empty is not None:
                 os.rmdir(dest)  # an empty folder (Windows cannot rename onto one); fails if it filled meanwhile
             os.rename(new, dest)  # fails if anything appeared at dest meanwhile
         except OSError as exc:
+            if exc.errno == errno.EBUSY and empty is not None:  # a mount point: it stays, the output moves into it
+                _move_into(new, dest)
+                return
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                 raise
             raise OutputExistsError(f"{flag} {str(dest)!r} was written by something else while this command ran "
                                     f"(another run with the same {flag}?); nothing was replaced: choose another "
                                     f"{flag} and run again") from None
+        if empty is not None:
+            os.chmod(dest, empty.st_mode & 0o7777)
+            try:
+                os.chown(dest, -1, empty.st_gid)  # (a setgid folder's group; not ours to give: left as made)
+            except (OSError, AttributeError):
+                pass
         return
     check_swap(dest, overwrite, marker, what, flag, owned if owned is None else owned.with_tree(new))
     old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
@@ -168,6 +236,15 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
         os.rmdir(old)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _move_into(new: Path, dest: Path) -> None:
+    """Move ``new``'s entries into the empty folder ``dest`` (that cannot be renamed onto: a mount
+    point), in name order: an export's in-progress marker (a dot name) goes first, so an interrupted
+    move leaves a folder that is not loaded as a bundle and that the next export replaces."""
+    for name in sorted(os.listdir(new)):
+        os.rename(new / name, dest / name)
+    os.rmdir(new)
 
 
 def check_report_folder(out: Path, flag: str = "--out") -> None:

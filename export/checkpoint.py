@@ -57,15 +57,27 @@ def inspect_checkpoint(path: str | Path, role: str) -> Checkpoint:
         config = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{cfg_path} is not valid JSON ({exc}); restore the model's config.json") from exc
-    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg_path} holds a JSON {type(config).__name__}, not an object of settings; restore "
+                              "the model's config.json (save_pretrained writes it)")
+    model_type = config.get("model_type")
     if model_type is None:  # (it was called an unsupported architecture, None)
         raise CheckpointError(f"{cfg_path} names no model_type; a Hugging Face config.json does (e.g. \"model_type\": "
                               "\"llama\"): save the checkpoint with save_pretrained, or restore its config.json")
+    if not isinstance(model_type, str):  # (a list raised a TypeError in the lookup below)
+        raise CheckpointError(f"{cfg_path} has model_type {model_type!r}, not a string (e.g. \"model_type\": \"llama\"); "
+                              "restore the model's config.json")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"{role} checkpoint {str(folder)!r} has model_type {model_type!r}; edgespec export supports "
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}: pick a checkpoint of one of these architectures"
         )
+    seq2seq = SUPPORTED_ARCHITECTURES[model_type] == contract.KIND_SEQ2SEQ
+    for key in ("bos_token_id", "pad_token_id", *(("decoder_start_token_id",) if seq2seq else ())):
+        # one id or null (a negative bos/pad means none: old Llama configs write pad_token_id -1)
+        v, lowest = config.get(key), 0 if key == "decoder_start_token_id" else -(2**31)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not lowest <= v < 2**31):
+            raise CheckpointError(f"{cfg_path}: {key} {v!r:.60} is not a token id; set it to one id, or null")
     if not (folder / contract.TOKENIZER_FILE).is_file():
         raise CheckpointError(
             f"{role} checkpoint {str(folder)!r} has no tokenizer.json (the runtime reads it with the `tokenizers` "

@@ -41,6 +41,32 @@ def load_torch_model(ckpt: Checkpoint):
     return load_torch_model_at(ckpt.path, ckpt.kind == contract.KIND_SEQ2SEQ)
 
 
+def check_finite_weights(path: Path) -> None:
+    """Refuse a checkpoint folder whose safetensors hold NaN or infinite weights, one tensor in
+    memory at a time (a bundle's draft is checked so before the target's export starts)."""
+    from safetensors import safe_open
+
+    def tensors():
+        for f in sorted(Path(path).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():
+                    yield name, h.get_tensor(name)
+
+    _refuse_non_finite(path, tensors())
+
+
+def _refuse_non_finite(path: Path, named_tensors) -> None:
+    import torch
+
+    bad = [(name, int((~torch.isfinite(w)).sum())) for name, w in named_tensors
+           if w.is_floating_point() and not bool(torch.isfinite(w).all())]
+    if bad:
+        shown = ", ".join(f"{name} ({n} values)" for name, n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise CheckpointError(f"the checkpoint in {str(path)!r} holds NaN or infinite weights: {shown}; any model made "
+                              "from it gives NaN logits: use a checkpoint saved before the training diverged, or one "
+                              "whose weights are all finite")
+
+
 def load_torch_model_at(path: Path, seq2seq: bool):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
@@ -76,13 +102,7 @@ def load_torch_model_at(path: Path, seq2seq: bool):
                 "save_pretrained(..., safe_serialization=True)")
     # A NaN or inf weight (a diverged training run saves them) makes NaN logits in PyTorch and ONNX
     # alike: the validation then blamed the graph ("try --graph optimum") instead of the weights.
-    bad = [(name, int((~torch.isfinite(w)).sum())) for name, w in model.named_parameters()
-           if w.is_floating_point() and not bool(torch.isfinite(w).all())]
-    if bad:
-        shown = ", ".join(f"{name} ({n} values)" for name, n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise CheckpointError(f"the checkpoint in {str(path)!r} holds NaN or infinite weights: {shown}; any model made "
-                              "from it gives NaN logits: export a checkpoint saved before the training diverged, or "
-                              "one whose weights are all finite")
+    _refuse_non_finite(path, model.named_parameters())
     return model.eval()
 
 

@@ -137,6 +137,13 @@ def _eos_ids(folder: Path, config: dict) -> list[int]:
     return ids
 
 
+def _optional_id(ckpt: Checkpoint, key: str) -> int | None:
+    """config.json's bos_token_id / pad_token_id (an int or null: inspect_checkpoint); a negative
+    one is no such token (old Llama configs write pad_token_id -1; the manifest refused it)."""
+    v = ckpt.config.get(key)
+    return None if v is None or v < 0 else v
+
+
 def _max_positions(ckpt: Checkpoint) -> int:
     n = contract.config_positions(ckpt.config, ckpt.kind)
     if n is None:
@@ -264,9 +271,9 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
         files=files,
         vocab_size=rows,
         tokenizer_size=limit,
-        bos_token_id=cfg.get("bos_token_id"),
+        bos_token_id=_optional_id(ckpt, "bos_token_id"),
         eos_token_ids=_eos_ids(ckpt.path, cfg),
-        pad_token_id=cfg.get("pad_token_id"),
+        pad_token_id=_optional_id(ckpt, "pad_token_id"),
         decoder_start_token_id=dec_start if seq2seq else None,
         num_layers=num_layers,
         num_kv_heads=kv_heads,
@@ -390,6 +397,10 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
                           "with this bundle; pass --verify-width 2 or more (max gamma + 1; default 9)",
                           EdgeSpecWarning, stacklevel=2)
     dest = check_output(Path(out), [c.path for c in roles.values()], options.overwrite)
+    if draft is not None:  # (the target's are checked as it loads, first; the draft's only after the target's export)
+        from .onnx_export import check_finite_weights
+
+        check_finite_weights(roles[contract.ROLE_DRAFT].path)
 
     tok_record: dict = {}
     if draft is not None:

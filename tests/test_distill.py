@@ -363,11 +363,18 @@ def test_distill_from_init_keeps_its_shape_and_grows(target, corpus, tmp_path):
         distill(target, afile, overwrite=True, **kw)
     assert afile.read_text() == "hi"
     # distill's own files (sharded weights too) are its output; a distilled draft that holds something else is not
-    from edgespec.outputs import DRAFT_FILES, TOKENIZER_FILES
+    from edgespec.outputs import DRAFT_FILES, foreign_names
 
-    assert all(name in DRAFT_FILES for name in (*TOKENIZER_FILES, "model-00001-of-00002.safetensors",
-                                                "model.safetensors.index.json"))
-    assert "notes.txt" not in DRAFT_FILES and "model-notes.safetensors" not in DRAFT_FILES
+    a = tmp_path / "a"
+    assert foreign_names(a, DRAFT_FILES) == []  # everything distill wrote
+    (a / "model-00001-of-00002.safetensors").write_bytes(b"")  # the draft saved sharded: still distill's own
+    (a / "model.safetensors.index.json").write_text("{}")
+    (a / "model-notes.safetensors").write_text("mine")
+    (a / "model-00002-of-00002.safetensors").mkdir()  # a folder of a weights file's name is not ours
+    assert foreign_names(a, DRAFT_FILES) == ["model-00002-of-00002.safetensors", "model-notes.safetensors"]
+    for name in ("model-00001-of-00002.safetensors", "model.safetensors.index.json", "model-notes.safetensors"):
+        (a / name).unlink()
+    (a / "model-00002-of-00002.safetensors").rmdir()
     (tmp_path / "a" / "notes.txt").write_text("mine")
     with pytest.raises(OutputExistsError, match=r"also holds what this command did not write \(notes.txt\)"):
         distill(target, tmp_path / "a", overwrite=True, **kw)

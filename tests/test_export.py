@@ -89,6 +89,7 @@ def test_dynamic_int8_of_a_large_graph_keeps_its_weights_outside(tiny_checkpoint
     import edgespec
     from edgespec.bundle import onnx_external_data_locations
     from edgespec.export import quantize
+    from edgespec.outputs import BUNDLE_FILES, foreign_names
 
     monkeypatch.setattr(quantize, "EXTERNAL_DATA_ABOVE", 0)
     target, draft = tiny_checkpoints("llama")
@@ -98,6 +99,14 @@ def test_dynamic_int8_of_a_large_graph_keeps_its_weights_outside(tiny_checkpoint
     assert onnx_external_data_locations(graph) and _manifest(out)["models"]["draft"]["quantization"] == "int8-dynamic"
     assert {p.name for p in graph.parent.iterdir() if p.name.startswith(graph.stem)} == \
         {graph.name, *onnx_external_data_locations(graph)}                # the fp32 weights' file is gone
+    # --overwrite knows the int8 data file (model.onnx.int8.data) as the export's own, not a user's .onnx beside it
+    assert foreign_names(out, BUNDLE_FILES) == []
+    shutil.copy(graph, graph.parent / "my-finetune.onnx")  # (it names the same data file: that stays the export's)
+    (graph.parent / "old.onnx.data").write_text("mine")
+    assert foreign_names(out, BUNDLE_FILES) == ["draft/my-finetune.onnx", "draft/old.onnx.data"]
+    (graph.parent / "my-finetune.onnx").unlink()
+    (graph.parent / "old.onnx.data").unlink()
+    export_bundle(target, out, draft=draft, options=ExportOptions(quantize_draft="int8", overwrite=True), progress=None)
     eng = edgespec.load(out)
     ids = [5, 9, 4, 7]
     assert eng.generate(ids, max_new_tokens=12, temperature=0).ids == \
@@ -207,6 +216,34 @@ def test_unsupported_architecture(tiny_checkpoints, tmp_path):
     (ck / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"config.json names no model_type; .*save the checkpoint with save_pretrained"):
         export_bundle(ck, tmp_path / "o", progress=None)
+    for damaged, needle in (({**cfg, "model_type": ["llama"]}, r"model_type \['llama'\], not a string"),
+                            ([cfg], "holds a JSON list, not an object")):  # (both raised a TypeError traceback)
+        (ck / "config.json").write_text(json.dumps(damaged))
+        with pytest.raises(CheckpointError, match=needle):
+            export_bundle(ck, tmp_path / "o", progress=None)
+    assert not (tmp_path / "o").exists()
+
+
+def test_special_token_ids_of_the_config(tiny_checkpoints, tmp_path):
+    """pad_token_id -1 (old Llama configs: no padding token) is no token; a list or a string is
+    refused before the export (the manifest refused both after all the work, naming a deleted folder)."""
+    for arch, key, value in (("gpt2", "bos_token_id", [1, 2]), ("gpt2", "pad_token_id", "0"),
+                             ("t5", "decoder_start_token_id", -1)):
+        ck = tmp_path / arch
+        if not ck.exists():
+            shutil.copytree(tiny_checkpoints(arch)[0], ck)
+        cfg = json.loads((ck / "config.json").read_text())
+        (ck / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(CheckpointError, match=rf"{key} .* is not a token id; set it to one id, or null"):
+            export_bundle(ck, tmp_path / "o", progress=None)
+        assert not (tmp_path / "o").exists()
+        (ck / "config.json").write_text(json.dumps(cfg))
+    ck = tmp_path / "gpt2"
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**cfg, "pad_token_id": -1, "bos_token_id": 0}))
+    export_bundle(ck, tmp_path / "o", progress=None)
+    model = _manifest(tmp_path / "o")["models"]["target"]
+    assert model["pad_token_id"] is None and model["bos_token_id"] == 0
 
 
 def test_output_exists_and_overwrite(tiny_checkpoints, tmp_path, capsys):
@@ -257,20 +294,67 @@ def test_overwrite_keeps_files_inside_a_bundles_model_folders(tiny_checkpoints, 
     assert (bundle / contract.MANIFEST_NAME).is_file()
 
 
+def test_an_empty_output_folder_keeps_its_mode_and_may_be_a_mount_point(tmp_path, monkeypatch):
+    """An empty --out the user made (a mode of their choice, a mount point) was removed and replaced
+    by the new folder: its mode went, and a mount point raised EBUSY as a traceback."""
+    import errno
+    import os
+
+    from edgespec import outputs
+
+    def made(name: str) -> Path:
+        new = tmp_path / name
+        new.mkdir()
+        (new / "edgespec.json").write_text("{}")
+        (new / ".edgespec-export-in-progress").write_text("")
+        return new
+
+    dest = tmp_path / "out"
+    dest.mkdir()
+    dest.chmod(0o750)
+    outputs.swap_into_place(made("new"), dest, False, "edgespec.json", "an edgespec bundle")
+    assert (dest / "edgespec.json").is_file() and dest.stat().st_mode & 0o7777 == 0o750
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    real_rmdir = os.rmdir
+
+    def busy(path, *a, **k):
+        if Path(path) == mount:
+            raise OSError(errno.EBUSY, "Device or resource busy", str(path))
+        return real_rmdir(path, *a, **k)
+
+    monkeypatch.setattr(outputs.os, "rmdir", busy)
+    new = made("new2")
+    outputs.swap_into_place(new, mount, False, "edgespec.json", "an edgespec bundle")
+    assert sorted(os.listdir(mount)) == [".edgespec-export-in-progress", "edgespec.json"] and not new.exists()
+
+
 def test_owned_names_at_any_depth(tmp_path):
     """The rename's own check (the output may change while a command runs): a file that appeared in
     the old bundle's target/ is refused; one the new export also wrote is its own; a symbolic link is
     judged by its name (replacing the folder removes the link, not what it points to)."""
     from edgespec.errors import OutputExistsError
     from edgespec.export.xla import MANIFEST, WEIGHTS
-    from edgespec.outputs import BUNDLE_FILES, XLA_FILES, foreign_names, swap_into_place
+    from edgespec.outputs import BUNDLE_FILES, foreign_names, swap_into_place
 
-    assert MANIFEST in XLA_FILES and WEIGHTS in XLA_FILES and "prefill_16.bin" in XLA_FILES
     old, new = tmp_path / "old", tmp_path / "new"
     for root in (old, new):
         (root / "target" / "xla").mkdir(parents=True)
-        for name in ("edgespec.json", "target/model.onnx", "target/model.onnx.data", "target/xla/xla.json"):
+        for name in ("edgespec.json", "target/model.onnx", "target/xla/" + WEIGHTS):
             (root / name).write_text("x")
+        (root / "target" / "xla" / MANIFEST).write_text(json.dumps({"artifacts": {"prefill": {"16": {"file": "prefill_16.bin"}}}}))
+        (root / "target" / "xla" / "prefill_16.bin").write_text("x")
+    # an XLA artifact is the export's own where xla.json lists it; a graph's data file where the graph names it
+    (old / "target" / "xla" / "prefill_32.bin").write_text("mine")
+    (old / "target" / "model.onnx.data").write_text("mine")  # (model.onnx here is no graph: it names nothing)
+    (old / "target" / "encoder_model.onnx").mkdir()  # a folder of a graph's name is not the export's
+    (old / "target" / ".xla.partial-k3").mkdir()  # a killed XLA export's work folder is
+    (old / "target" / ".xla.partial-k3" / "prefill_16.bin").write_text("x")
+    assert foreign_names(old, BUNDLE_FILES) == ["target/encoder_model.onnx", "target/model.onnx.data",
+                                                "target/xla/prefill_32.bin"]
+    (old / "target" / "encoder_model.onnx").rmdir()
+    (old / "target" / "xla" / "prefill_32.bin").unlink()
+    (old / "target" / "model.onnx.data").unlink()
     (new / "target" / "vocab.bpe").write_text("new")
     (old / "target" / "vocab.bpe").write_text("old")   # not an owned name, but the new export writes it too
     (old / "target" / "xla" / "notes.md").write_text("mine")
@@ -302,6 +386,11 @@ def test_non_finite_weights_are_named(tiny_checkpoints, tmp_path, capsys):
         export_bundle(bad, tmp_path / "out", progress=None)
     assert not (tmp_path / "out").exists()
     _cli_fails(["export", "--model", str(bad), "--out", str(tmp_path / "out")], capsys, "saved before the training diverged")
+    # a bad draft is found before the target's export starts (it was found only after it)
+    seen: list[str] = []
+    with pytest.raises(CheckpointError, match=rf"{bad}.*NaN or infinite weights"):
+        export_bundle(target, tmp_path / "out", draft=bad, progress=seen.append)
+    assert seen == [] and not (tmp_path / "out").exists()
 
 
 def test_corrupt_or_mismatched_weights_fail_before_any_work(tiny_checkpoints, tmp_path, capsys):
