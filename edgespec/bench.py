@@ -106,7 +106,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="target intra-op threads (0 = ORT default; default 0, or with the lookahead drafter in "
                         "--draft all cores but one, for every setting alike)")
-    p.add_argument("--draft-threads", type=int, default=None, help="draft intra-op threads (default 1)")
+    p.add_argument("--draft-threads", type=int, default=None, help="draft intra-op threads (default 1; 0: ONNX Runtime's default, one per physical core)")
     p.add_argument("--spin", choices=("on", "off"), default=None,
                    help="ORT thread spin-waiting (default: ORT's, on; it only matters with more than one thread)")
     p.add_argument("--no-huge-pages", action="store_true",

@@ -102,6 +102,9 @@ class BundleManifest:
             raise BundleError(f"{where}: manifest schema version {version} is newer than this edgespec reads (at most "
                               f"{newest}); upgrade edgespec (`pip install -U edgespec`), or re-export the bundle with "
                               "this version from its checkpoints (`edgespec export ...`)")
+        if version is None:  # (it said "schema version None is not supported")
+            raise BundleError(f"{where}: schema_version is {'null' if 'schema_version' in data else 'missing'}; an "
+                              "edgespec manifest names its version: re-export the bundle (`edgespec export ...`)")
         if version not in contract.SUPPORTED_SCHEMA_VERSIONS:
             raise BundleError(
                 f"{where}: manifest schema version {version!r} is not supported by this edgespec "
@@ -116,6 +119,9 @@ class BundleManifest:
                 raise ValueError(f"it lacks {', '.join(missing)}")
             if not isinstance(data.get("models"), dict):
                 raise TypeError(f"'models' must be an object mapping role -> model, got {type(data.get('models')).__name__}")
+            for key in ("shared_vocab_size", "opset"):  # (int() took "17", 17.9 and true)
+                if not _is_int(data[key]):
+                    raise TypeError(f"{key} must be an integer, got {json.dumps(data[key])[:40]}")
             models = {role: _model(role, m) for role, m in data["models"].items()}
             for role, m in models.items():
                 _check_model_fields(role, m)
@@ -259,7 +265,7 @@ def load_bundle(folder: str | os.PathLike, *, allow_partial: bool = False,
     if raw.startswith(LFS_POINTER_PREFIX):
         raise BundleError(f"{mpath} is a Git LFS pointer, not the file; run `git lfs pull` in the repository")
     try:
-        data = json.loads(raw.decode("utf-8"))
+        data = json.loads(raw.decode("utf-8-sig"))  # (an editor's byte-order mark was "not valid JSON")
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digit limit, nesting
         raise BundleError(f"{mpath} is not valid JSON ({str(exc)[:200]}); re-export the bundle with `edgespec export`") from exc
     if not isinstance(data, dict):

@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads for the target (0 = ORT default: one per physical core; default 0, or "
                              "with --draft lookahead all cores but one, which the drafting thread needs)")
-    parser.add_argument("--draft-threads", type=int, default=None, help="intra-op threads for the draft (default 1)")
+    parser.add_argument("--draft-threads", type=int, default=None, help="intra-op threads for the draft (default 1; 0: ONNX Runtime's default, one per physical core)")
     parser.add_argument("--no-spin", action="store_true", help="disable ONNX Runtime thread spin-waiting")
     parser.add_argument("--no-huge-pages", action="store_true",
                         help="leave ONNX Runtime's weights on the pages it allocated (default: moved onto transparent "

@@ -271,6 +271,10 @@ def check_writable(dest: Path, flag: str = "--out", fix: str = "choose another p
             # e.g. /proc answers ENOENT: say what was tried, not only the errno's words
             reason = f"creating a folder in it failed: {exc.strerror or exc}"
     elif parent.is_dir():
-        reason = "no write permission"
+        try:  # (a read-only mount was called a permission problem)
+            read_only = bool(os.statvfs(parent).f_flag & os.ST_RDONLY)
+        except (OSError, AttributeError):
+            read_only = False
+        reason = "a read-only file system" if read_only else "no write permission"
     raise OutputPathError(f"cannot write {flag} {str(shown or dest)!r}: {str(parent)!r} is not a writable folder ({reason}); "
                           f"{fix}")

@@ -111,6 +111,10 @@ def check_output(out: Path, inputs: list[Path], overwrite: bool) -> Path:
         if extra:
             raise OutputExistsError(f"output folder {str(out)!r} is an unfinished export that also holds what an export "
                                     f"does not write ({', '.join(extra[:5])}); move that out of it, or choose another path")
+    if dest.is_dir() and os.path.lexists(dest / PARTIAL_MARKER) and not _is_stale_partial(dest):
+        # (its marker was called a file the user put there)
+        raise OutputExistsError(f"output folder {str(out)!r} is being written by another export now (its "
+                                f"{PARTIAL_MARKER} names a running process); wait for it to finish, or choose another path")
     if not _is_stale_partial(dest):
         check_output_folder(dest, overwrite, contract.MANIFEST_NAME, "an edgespec bundle", owned=BUNDLE_FILES)
     check_writable(dest)
@@ -118,8 +122,8 @@ def check_output(out: Path, inputs: list[Path], overwrite: bool) -> Path:
 
 
 def _eos_ids(folder: Path, config: dict) -> list[int]:
-    eos = None
-    gen = folder / "generation_config.json"
+    eos, source = None, "generation_config.json"
+    gen = folder / source
     if gen.is_file():
         try:
             eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
@@ -127,13 +131,13 @@ def _eos_ids(folder: Path, config: dict) -> list[int]:
             raise CheckpointError(f"{gen} is not a JSON object ({exc}); fix or delete it (the EOS ids are read from "
                                   "it, else from config.json)") from None
     if eos is None:
-        eos = config.get("eos_token_id")
+        eos, source = config.get("eos_token_id"), "config.json"
     if eos is None:
         return []
     ids = eos if isinstance(eos, list) else [eos]
     if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
-        raise CheckpointError(f"{folder}: eos_token_id {eos!r:.60} is not a token id (or a list of them); fix "
-                              "generation_config.json / config.json")
+        raise CheckpointError(f"{folder / source}: eos_token_id {eos!r:.60} is not a token id (or a list of them); "
+                              f"fix it in {source}")
     return ids
 
 
@@ -147,6 +151,10 @@ def _optional_id(ckpt: Checkpoint, key: str) -> int | None:
 def _max_positions(ckpt: Checkpoint) -> int:
     n = contract.config_positions(ckpt.config, ckpt.kind)
     if n is None:
+        given = {k: ckpt.config[k] for k in contract.POSITION_KEYS if ckpt.config.get(k) is not None}
+        if given:  # (a string "128" was called missing)
+            raise CheckpointError(f"{ckpt.path}/config.json: {', '.join(f'{k} {v!r:.20}' for k, v in given.items())} "
+                                  "is not a count of positions; write it as a positive integer, and export again")
         raise UnsupportedArchitectureError(f"{ckpt.path}/config.json has no max_position_embeddings / n_positions; add it and export again")
     return n
 
@@ -213,6 +221,11 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     kv_heads, head_size = graph_info.kv_geometry(step_graph, past0)
     dec_start = ckpt.config.get("decoder_start_token_id")
     limit = tokenizer_size(vocab)
+    never = [e for e in _eos_ids(ckpt.path, ckpt.config) if e >= limit]
+    if never:  # the runtime samples below the tokenizer's size: such an EOS never ends a generation
+        warnings.warn(f"{role}: eos_token_id {never} is not among the tokenizer's {limit} ids, so it never ends a "
+                      "generation (max_new_tokens or stop_token_ids will); fix eos_token_id in generation_config.json / "
+                      "config.json if the model has another EOS", EdgeSpecWarning, stacklevel=2)
 
     refs: dict = {}  # PyTorch's reference passes, computed once for every validation of this model
 

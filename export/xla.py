@@ -161,6 +161,7 @@ def export_xla(
     dest = out_dir / XLA_SUBDIR
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputExistsError(f"{out_dir} exists and is not a folder; choose another output folder")
+    _check_same_model(checkpoint_dir, out_dir)
     check_output_folder(dest, overwrite, MANIFEST, "XLA artifacts", flag="output", owned=XLA_FILES)
     check_writable(out_dir)
     t0 = time.perf_counter()
@@ -387,6 +388,33 @@ def add_xla_arguments(parser: argparse.ArgumentParser, title: str = "XLA export 
     add("--overwrite", action="store_true", help="replace an existing xla/ folder")
     add("--atol", type=float, default=None,
         help="largest logit difference from PyTorch allowed when the cpu artifacts are checked (default 1e-3)")
+
+
+# config.json settings that fix a model's shape: a folder that already holds a model (a bundle's
+# target/) and a checkpoint that differ in one are two models
+_SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer",
+               "num_layers", "num_decoder_layers", "num_attention_heads", "n_head", "num_heads", "num_key_value_heads",
+               "intermediate_size", "n_inner", "d_ff", "d_kv", "max_position_embeddings", "n_positions")
+
+
+def _check_same_model(checkpoint_dir: Path, out_dir: Path) -> None:
+    """Writing ``out_dir/xla`` into a folder that holds another model's config.json (a bundle's
+    draft/ given for the target's checkpoint) would give the bundle's two runtimes different models.
+    Only settings both configs write are compared (save_pretrained adds defaults)."""
+    try:
+        theirs = json.loads((out_dir / contract.CONFIG_FILE).read_text(encoding="utf-8"))
+        ours = json.loads((checkpoint_dir / contract.CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # no model there (or no config here: load_model names that)
+    if not isinstance(theirs, dict) or not isinstance(ours, dict):
+        return
+    differ = [f"{k} {ours[k]!r:.20} vs {theirs[k]!r:.20}" for k in _SHAPE_KEYS
+              if k in ours and k in theirs and ours[k] != theirs[k]]
+    if differ:
+        raise InvalidArgumentError(
+            f"{out_dir} holds another model than {checkpoint_dir} (config.json: {', '.join(differ[:3])}); its XLA "
+            "artifacts must come from the checkpoint that folder was exported from: pass that checkpoint, or another "
+            "output folder")
 
 
 def run_xla_export(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

@@ -206,6 +206,10 @@ def test_bad_inputs(engines, tiny_bundle):
     for bools in ([True, 2], deque([True, 2]), np.array([True, 2], dtype=object), np.array([True, False])):
         with pytest.raises(InvalidArgumentError, match="not bools"):  # numpy would make True a 1
             eng.generate(bools)
+    for bare, needle in ((None, r"the prompt is None; pass text"), (7, r"token ids \(\[7\] for one token id\)"),
+                         (2.5, r"the prompt is 2.5; pass text \(a str\) or a sequence of token ids$")):
+        with pytest.raises(InvalidArgumentError, match=needle):
+            eng.generate(bare)
     with pytest.raises(PromptTooLongError, match="128"):
         eng.generate([4] * 129, max_new_tokens=1)
     with pytest.raises(PromptTooLongError, match="at most 29"):

@@ -53,6 +53,24 @@ def test_unknown_schema_version(bundle_copy):
         with pytest.raises(BundleError, match=rf"schema_version is {shown}, not an integer; write it as an integer "
                                               r"\(this edgespec reads 1\)"):
             load_bundle(b)
+    data["schema_version"] = None  # null or absent: said "version None is not supported"
+    for manifest, shown in ((data, "null"), ({k: v for k, v in data.items() if k != "schema_version"}, "missing")):
+        (b / contract.MANIFEST_NAME).write_text(json.dumps(manifest))
+        with pytest.raises(BundleError, match=rf"schema_version is {shown}; an edgespec manifest names its version"):
+            load_bundle(b)
+
+
+def test_manifest_edited_by_hand(bundle_copy):
+    """A byte-order mark (Windows editors write one) is read past; a count written as a string or a
+    fraction is refused (int() took "17" and 17.9)."""
+    b = bundle_copy()
+    raw = (b / contract.MANIFEST_NAME).read_bytes()
+    (b / contract.MANIFEST_NAME).write_bytes(b"\xef\xbb\xbf" + raw)
+    assert load_bundle(b).opset == json.loads(raw)["opset"]
+    for key, value in (("opset", "17"), ("opset", 17.5), ("shared_vocab_size", True)):
+        (b / contract.MANIFEST_NAME).write_text(json.dumps({**json.loads(raw), key: value}))
+        with pytest.raises(BundleError, match=rf"{key} must be an integer, got {json.dumps(value)}"):
+            load_bundle(b)
 
 
 def test_malformed_manifest(bundle_copy):

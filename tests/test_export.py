@@ -11,7 +11,7 @@ import pytest
 import tiny_models
 from edgespec import contract
 from edgespec.cli import main
-from edgespec.errors import (CheckpointError, OutputExistsError, TokenizerMismatchError, UnsafeFileError,
+from edgespec.errors import (CheckpointError, EdgeSpecWarning, OutputExistsError, TokenizerMismatchError, UnsafeFileError,
                              UnsupportedArchitectureError, ValidationError)
 from edgespec.export.pipeline import ExportOptions, export_bundle
 
@@ -240,8 +240,18 @@ def test_special_token_ids_of_the_config(tiny_checkpoints, tmp_path):
         (ck / "config.json").write_text(json.dumps(cfg))
     ck = tmp_path / "gpt2"
     cfg = json.loads((ck / "config.json").read_text())
-    (ck / "config.json").write_text(json.dumps({**cfg, "pad_token_id": -1, "bos_token_id": 0}))
-    export_bundle(ck, tmp_path / "o", progress=None)
+    # the file a bad value came from is named; a position count written as a string is not "missing"
+    (ck / "generation_config.json").write_text(json.dumps({"eos_token_id": "2"}))
+    with pytest.raises(CheckpointError, match=r"generation_config.json: eos_token_id '2' is not a token id .*fix it in "
+                                              r"generation_config.json"):
+        export_bundle(ck, tmp_path / "o", progress=None)
+    (ck / "generation_config.json").unlink()
+    (ck / "config.json").write_text(json.dumps({**cfg, "n_positions": "128"}))
+    with pytest.raises(CheckpointError, match=r"n_positions '128' is not a count of positions"):
+        export_bundle(ck, tmp_path / "o", progress=None)
+    (ck / "config.json").write_text(json.dumps({**cfg, "pad_token_id": -1, "bos_token_id": 0, "eos_token_id": 10**6}))
+    with pytest.warns(EdgeSpecWarning, match=r"target: eos_token_id \[1000000\] is not among the tokenizer's \d+ ids"):
+        export_bundle(ck, tmp_path / "o", progress=None)
     model = _manifest(tmp_path / "o")["models"]["target"]
     assert model["pad_token_id"] is None and model["bos_token_id"] == 0
 

@@ -534,3 +534,12 @@ def test_a_stale_unfinished_export_is_removed_only_if_it_holds_nothing_else(tmp_
     assert (out / "mine.txt").read_text() == "keep"
     (out / "mine.txt").unlink()
     assert pipeline.check_output(out, [target], overwrite=False) == out.resolve()
+    # a live export's folder is named as such (its marker was called a file the user put there)
+    (out / PARTIAL_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": __import__("socket").gethostname(),
+                                                  "token": "t-live"}))
+    pipeline._LIVE_EXPORTS.add("t-live")
+    try:
+        with pytest.raises(OutputExistsError, match=r"is being written by another export now .*wait for it to finish"):
+            pipeline.check_output(out, [target], overwrite=True)
+    finally:
+        pipeline._LIVE_EXPORTS.discard("t-live")

@@ -85,9 +85,13 @@ def test_lookahead_warns_when_the_target_leaves_no_core(tiny_bundle, capsys):
     from edgespec.errors import EdgeSpecWarning
 
     bundle = tiny_bundle("llama")
-    with pytest.warns(EdgeSpecWarning, match="competes with the target"):
-        load(bundle, threads=0).generate([5, 9], max_new_tokens=4, drafter="lookahead")
     cores = len(os.sched_getaffinity(0))
+    with pytest.warns(EdgeSpecWarning, match=f"on all {cores} cores: the draft's thread competes with the target"):
+        load(bundle, threads=0).generate([5, 9], max_new_tokens=4, drafter="lookahead")
+    from edgespec.api import warn_if_no_spare_core
+
+    with pytest.warns(EdgeSpecWarning, match=f"on {cores + 3} threads on {cores} cores: "):  # (said "5 of 2 cores")
+        warn_if_no_spare_core(cores + 3)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         load(bundle, threads=max(1, cores - 1)).generate([5, 9], max_new_tokens=4, drafter="lookahead")

@@ -259,7 +259,10 @@ def test_standalone_reexport_updates_the_bundle_summary(xla_bundle, tiny_checkpo
     b = tmp_path / "b"
     shutil.copytree(xla_bundle("gpt2"), b)
     before = json.loads((b / "edgespec.json").read_text())["formats"]["xla"]
-    t, _ = tiny_checkpoints("gpt2")
+    t, d = tiny_checkpoints("gpt2")
+    # the draft's checkpoint into the target's folder: refused before any work (load refused it after)
+    assert xla_main([str(d), str(b / "target"), "--max-length", "32", "--overwrite"]) == 2
+    assert "holds another model than" in capsys.readouterr().err
     # --overwrite replaces the artifacts only while xla/ holds nothing the export did not write
     (b / "target" / "xla" / "notes.txt").write_text("precious")
     assert xla_main([str(t), str(b / "target"), "--max-length", "32", "--verify-width", "4", "--overwrite"]) == 2
