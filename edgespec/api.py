@@ -357,7 +357,8 @@ class Engine:
             if not ids:
                 raise InvalidArgumentError(f"the prompt {prompt[:40]!r} encodes to no tokens with this bundle's tokenizer; use other text")
         elif prompt is None or isinstance(prompt, (int, float, np.number)):  # (said "a non-empty 1-D sequence")
-            one = f" ([{prompt!r}] for one token id)" if isinstance(prompt, (int, np.integer)) else ""
+            one = f" ([{prompt!r}] for one token id)" if isinstance(prompt, (int, np.integer)) \
+                and not isinstance(prompt, (bool, np.bool_)) else ""
             raise InvalidArgumentError(f"the prompt is {prompt!r}; pass text (a str) or a sequence of token ids{one}")
         elif isinstance(prompt, (bytes, bytearray, memoryview)):  # (numpy would read bytes as one scalar)
             raise InvalidArgumentError(f"the prompt is {type(prompt).__name__}; pass text (a str: decode it first, e.g. "
@@ -625,7 +626,7 @@ def warn_if_no_spare_core(threads: int | None) -> None:
     if threads == 0 or threads >= cores:
         warnings.warn(
             f"the lookahead drafter (drafter='lookahead', CLI --draft lookahead) with the target on "
-            f"{f'{threads} threads on {cores} cores' if threads > cores else f'all {cores} cores'}: the draft's thread competes with the target's (11% "
+            f"{f'{threads} threads ({cores} cores)' if threads > cores else f'all {cores} cores'}: the draft's thread competes with the target's (11% "
             f"slower than the model drafter on the 2-core benchmark machine); give the target fewer threads "
             f"(threads={max(1, cores - 1)}, CLI --threads {max(1, cores - 1)}) or use the model drafter (drafter='model', "
             "CLI --draft model)", EdgeSpecWarning, stacklevel=3)

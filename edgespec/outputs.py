@@ -88,11 +88,20 @@ class OwnedNames:
         return self._replace(names=names, folders=folders)
 
 
-def _graph_external_data(folder: Path) -> set[str]:
-    """The external-data files the ONNX graphs in ``folder`` reference (any name: int8's
-    ``model.onnx.int8.1.data``, optimum's ``model.onnx_data``)."""
-    return {loc for graph in folder.glob("*.onnx") if graph.is_file()
-            for loc in onnx_external_data_locations(graph)}
+def _bundle_graphs(folder: Path) -> set[str]:
+    """The graphs that the bundle's manifest (``../edgespec.json``) lists for this model folder, and
+    the external-data files each of them names (any name: int8's ``model.onnx.int8.1.data``,
+    optimum's ``model.onnx_data``); a graph that cannot be read names none. A decoder bundle's
+    ``decoder_model.onnx`` is not the export's: its manifest does not list it."""
+    manifest = json.loads((folder.parent / contract.MANIFEST_NAME).read_text(encoding="utf-8-sig"))
+    graphs = {name for m in manifest["models"].values() if m["path"] == folder.name for name in m["files"].values()}
+    owned = set(graphs)
+    for name in graphs:
+        try:
+            owned.update(onnx_external_data_locations(folder / name))
+        except (OSError, EdgeSpecError):
+            pass  # (its data files are then refused as the user's: never deleted)
+    return owned
 
 
 def _xla_artifacts(folder: Path) -> set[str]:
@@ -113,11 +122,10 @@ HF_MODEL_FILES = OwnedNames({"config.json", "generation_config.json", "model.saf
 DRAFT_FILES = HF_MODEL_FILES | {"distill.json"}
 # export.xla's artifacts (its xla/ folder: export --xla, or the XLA exporter alone)
 XLA_FILES = OwnedNames({"xla.json", "weights.safetensors", "config.json"}, listed=_xla_artifacts)
-# a bundle's target/ or draft/: its ONNX graphs and the external data they name, the source's config
-# and tokenizer, export --xla's xla/ (and a killed XLA export's work folder)
-ROLE_FILES = OwnedNames({"config.json", "generation_config.json", *TOKENIZER_FILES,
-                         *(name for files in contract.GRAPH_FILES.values() for name in files.values())},
-                        folders={"xla": XLA_FILES, **_CHAT_TEMPLATES}, listed=_graph_external_data,
+# a bundle's target/ or draft/: the ONNX graphs its manifest lists and the external data they name,
+# the source's config and tokenizer, export --xla's xla/ (and a killed XLA export's work folder)
+ROLE_FILES = OwnedNames({"config.json", "generation_config.json", *TOKENIZER_FILES},
+                        folders={"xla": XLA_FILES, **_CHAT_TEMPLATES}, listed=_bundle_graphs,
                         scratch=(".xla.partial-*", ".xla.old-*"))
 BUNDLE_FILES = OwnedNames({"edgespec.json"}, folders={"target": ROLE_FILES, "draft": ROLE_FILES})
 # bundle: edgespec demo's export of the pair (a killed one leaves its marker, or its work folder)
@@ -172,6 +180,8 @@ def check_output_folder(dest: Path, overwrite: bool, marker: str, what: str, fla
     message says whether --overwrite would help (it used to suggest it for folders it then refused)."""
     if dest.is_symlink():  # (the rename at the end would refuse it, after all the work: swap_into_place)
         raise OutputExistsError(f"{flag} {str(dest)!r} is a symbolic link; give the folder it points to, or a new path")
+    if os.path.ismount(dest):  # (the rename at the end failed, after all the work: EXDEV, EBUSY)
+        raise _mount_point_error(dest, flag)
     try:
         if _vacant(dest):
             return
@@ -211,9 +221,8 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
                 os.rmdir(dest)  # an empty folder (Windows cannot rename onto one); fails if it filled meanwhile
             os.rename(new, dest)  # fails if anything appeared at dest meanwhile
         except OSError as exc:
-            if exc.errno == errno.EBUSY and empty is not None:  # a mount point: it stays, the output moves into it
-                _move_into(new, dest)
-                return
+            if exc.errno in (errno.EBUSY, errno.EXDEV):  # (a mount point, made one while this command ran)
+                raise _mount_point_error(dest, flag) from None
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
                 raise
             raise OutputExistsError(f"{flag} {str(dest)!r} was written by something else while this command ran "
@@ -228,7 +237,13 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
         return
     check_swap(dest, overwrite, marker, what, flag, owned if owned is None else owned.with_tree(new))
     old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-    os.replace(dest, old / dest.name)
+    try:
+        os.replace(dest, old / dest.name)
+    except OSError as exc:
+        os.rmdir(old)
+        if exc.errno in (errno.EBUSY, errno.EXDEV):
+            raise _mount_point_error(dest, flag) from None
+        raise
     try:
         os.replace(new, dest)
     except BaseException:  # an error or Ctrl-C between the two renames: the previous output goes back
@@ -238,13 +253,11 @@ def swap_into_place(new: Path, dest: Path, overwrite: bool, marker: str, what: s
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _move_into(new: Path, dest: Path) -> None:
-    """Move ``new``'s entries into the empty folder ``dest`` (that cannot be renamed onto: a mount
-    point), in name order: an export's in-progress marker (a dot name) goes first, so an interrupted
-    move leaves a folder that is not loaded as a bundle and that the next export replaces."""
-    for name in sorted(os.listdir(new)):
-        os.rename(new / name, dest / name)
-    os.rmdir(new)
+def _mount_point_error(dest: Path, flag: str) -> OutputPathError:
+    # The output is written beside --out and renamed into place (nothing half-written), and a
+    # rename cannot cross into a mounted file system, nor replace its mount point.
+    return OutputPathError(f"{flag} {str(dest)!r} is a mount point; an output is renamed into place, which cannot "
+                           f"replace a mount point: give a folder inside it ({str(dest / 'out')!r})")
 
 
 def check_report_folder(out: Path, flag: str = "--out") -> None:

@@ -43,14 +43,17 @@ def load_torch_model(ckpt: Checkpoint):
 
 def check_finite_weights(path: Path) -> None:
     """Refuse a checkpoint folder whose safetensors hold NaN or infinite weights, one tensor in
-    memory at a time (a bundle's draft is checked so before the target's export starts)."""
+    memory at a time (a bundle's draft is checked so before the target's export starts). Only
+    ``*.weight`` tensors: a saved buffer may hold -inf by design (a mask), and the load's own check
+    (parameters only) covers the rest."""
     from safetensors import safe_open
 
     def tensors():
         for f in sorted(Path(path).glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as h:
                 for name in h.keys():
-                    yield name, h.get_tensor(name)
+                    if name.endswith("weight"):
+                        yield name, h.get_tensor(name)
 
     _refuse_non_finite(path, tensors())
 

@@ -113,8 +113,9 @@ def check_output(out: Path, inputs: list[Path], overwrite: bool) -> Path:
                                     f"does not write ({', '.join(extra[:5])}); move that out of it, or choose another path")
     if dest.is_dir() and os.path.lexists(dest / PARTIAL_MARKER) and not _is_stale_partial(dest):
         # (its marker was called a file the user put there)
-        raise OutputExistsError(f"output folder {str(out)!r} is being written by another export now (its "
-                                f"{PARTIAL_MARKER} names a running process); wait for it to finish, or choose another path")
+        raise OutputExistsError(f"output folder {str(out)!r} is being written by another export ({_marker_owner(dest)}: "
+                                "running, or on another machine, where that cannot be checked); wait for it to finish, "
+                                "or choose another path")
     if not _is_stale_partial(dest):
         check_output_folder(dest, overwrite, contract.MANIFEST_NAME, "an edgespec bundle", owned=BUNDLE_FILES)
     check_writable(dest)
@@ -535,6 +536,14 @@ def _marker_owner_alive(folder: Path) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _marker_owner(folder: Path) -> str:
+    try:
+        info = json.loads((folder / PARTIAL_MARKER).read_text())
+        return f"pid {int(info['pid'])} on {str(info['host'])[:60]}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unknown"
 
 
 def _is_stale_partial(folder: Path) -> bool:

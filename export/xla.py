@@ -161,7 +161,6 @@ def export_xla(
     dest = out_dir / XLA_SUBDIR
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputExistsError(f"{out_dir} exists and is not a folder; choose another output folder")
-    _check_same_model(checkpoint_dir, out_dir)
     check_output_folder(dest, overwrite, MANIFEST, "XLA artifacts", flag="output", owned=XLA_FILES)
     check_writable(out_dir)
     t0 = time.perf_counter()
@@ -400,7 +399,8 @@ _SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "n_embd", "d_model", "
 def _check_same_model(checkpoint_dir: Path, out_dir: Path) -> None:
     """Writing ``out_dir/xla`` into a folder that holds another model's config.json (a bundle's
     draft/ given for the target's checkpoint) would give the bundle's two runtimes different models.
-    Only settings both configs write are compared (save_pretrained adds defaults)."""
+    Only settings both configs give are compared (save_pretrained adds defaults, fills nulls). The
+    standalone exporter's check (``export --format onnx+xla`` writes both from one checkpoint)."""
     try:
         theirs = json.loads((out_dir / contract.CONFIG_FILE).read_text(encoding="utf-8"))
         ours = json.loads((checkpoint_dir / contract.CONFIG_FILE).read_text(encoding="utf-8"))
@@ -408,8 +408,8 @@ def _check_same_model(checkpoint_dir: Path, out_dir: Path) -> None:
         return  # no model there (or no config here: load_model names that)
     if not isinstance(theirs, dict) or not isinstance(ours, dict):
         return
-    differ = [f"{k} {ours[k]!r:.20} vs {theirs[k]!r:.20}" for k in _SHAPE_KEYS
-              if k in ours and k in theirs and ours[k] != theirs[k]]
+    differ = [f"{k} {ours[k]!r:.20} vs {theirs[k]!r:.20}" for k in _SHAPE_KEYS  # (null: save_pretrained fills it)
+              if ours.get(k) is not None and theirs.get(k) is not None and ours[k] != theirs[k]]
     if differ:
         raise InvalidArgumentError(
             f"{out_dir} holds another model than {checkpoint_dir} (config.json: {', '.join(differ[:3])}); its XLA "
@@ -436,12 +436,12 @@ def run_xla_export(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out = Path(getattr(args, "out"))
     single = getattr(args, "checkpoint", None)
     if single:
+        _check_same_model(Path(single), out)
         return {"model": export_xla(Path(single), out, **kw)}
-    result = {}
-    for role in ("target", "draft"):
-        ckpt = getattr(args, role, None)
-        if ckpt:
-            result[role] = export_xla(Path(ckpt), out / role, **kw)
+    roles = {role: Path(getattr(args, role)) for role in ("target", "draft") if getattr(args, role, None)}
+    for role, ckpt in roles.items():
+        _check_same_model(ckpt, out / role)
+    result = {role: export_xla(ckpt, out / role, **kw) for role, ckpt in roles.items()}
     if not result:
         raise InvalidArgumentError("nothing to export: pass a target (and optionally a draft) checkpoint")
     return result
@@ -497,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         m = run_xla_export(args)["model"]
         role = refresh_bundle_summary(Path(args.out), m)
     except EdgeSpecError as exc:
-        print(f"edgespec export: error: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     v = m["validation"]
     check = v["skipped"] if "skipped" in v else f"max |logits - PyTorch| {v['max_abs_diff']:.2e} on cpu"

@@ -207,7 +207,8 @@ def test_bad_inputs(engines, tiny_bundle):
         with pytest.raises(InvalidArgumentError, match="not bools"):  # numpy would make True a 1
             eng.generate(bools)
     for bare, needle in ((None, r"the prompt is None; pass text"), (7, r"token ids \(\[7\] for one token id\)"),
-                         (2.5, r"the prompt is 2.5; pass text \(a str\) or a sequence of token ids$")):
+                         (2.5, r"the prompt is 2.5; pass text \(a str\) or a sequence of token ids$"),
+                         (True, r"the prompt is True; pass text \(a str\) or a sequence of token ids$")):
         with pytest.raises(InvalidArgumentError, match=needle):
             eng.generate(bare)
     with pytest.raises(PromptTooLongError, match="128"):

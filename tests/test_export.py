@@ -304,19 +304,20 @@ def test_overwrite_keeps_files_inside_a_bundles_model_folders(tiny_checkpoints, 
     assert (bundle / contract.MANIFEST_NAME).is_file()
 
 
-def test_an_empty_output_folder_keeps_its_mode_and_may_be_a_mount_point(tmp_path, monkeypatch):
-    """An empty --out the user made (a mode of their choice, a mount point) was removed and replaced
-    by the new folder: its mode went, and a mount point raised EBUSY as a traceback."""
+def test_an_empty_output_folder_keeps_its_mode_and_a_mount_point_is_refused(tmp_path, monkeypatch, tiny_checkpoints):
+    """An empty --out the user made was removed and replaced by the new folder: its mode went. A
+    mount point cannot be renamed onto (EBUSY) nor into (EXDEV): it failed with a traceback after
+    all the work; it is refused before it."""
     import errno
     import os
 
     from edgespec import outputs
+    from edgespec.errors import OutputPathError
 
     def made(name: str) -> Path:
         new = tmp_path / name
         new.mkdir()
         (new / "edgespec.json").write_text("{}")
-        (new / ".edgespec-export-in-progress").write_text("")
         return new
 
     dest = tmp_path / "out"
@@ -326,17 +327,23 @@ def test_an_empty_output_folder_keeps_its_mode_and_may_be_a_mount_point(tmp_path
     assert (dest / "edgespec.json").is_file() and dest.stat().st_mode & 0o7777 == 0o750
     mount = tmp_path / "mount"
     mount.mkdir()
-    real_rmdir = os.rmdir
+    real_ismount, real_rmdir = os.path.ismount, os.rmdir
+    monkeypatch.setattr(outputs.os.path, "ismount", lambda p: Path(p) == mount or real_ismount(p))
+    target, _ = tiny_checkpoints("gpt2")
+    with pytest.raises(OutputPathError, match=r"is a mount point; .*give a folder inside it \('.*mount/out'\)"):
+        export_bundle(target, mount, progress=None)
+    monkeypatch.setattr(outputs.os.path, "ismount", real_ismount)
 
-    def busy(path, *a, **k):
+    def busy(path, *a, **k):  # (it became one while the command ran)
         if Path(path) == mount:
             raise OSError(errno.EBUSY, "Device or resource busy", str(path))
         return real_rmdir(path, *a, **k)
 
     monkeypatch.setattr(outputs.os, "rmdir", busy)
     new = made("new2")
-    outputs.swap_into_place(new, mount, False, "edgespec.json", "an edgespec bundle")
-    assert sorted(os.listdir(mount)) == [".edgespec-export-in-progress", "edgespec.json"] and not new.exists()
+    with pytest.raises(OutputPathError, match="is a mount point"):
+        outputs.swap_into_place(new, mount, False, "edgespec.json", "an edgespec bundle")
+    assert new.is_dir() and os.listdir(mount) == []
 
 
 def test_owned_names_at_any_depth(tmp_path):
@@ -350,19 +357,22 @@ def test_owned_names_at_any_depth(tmp_path):
     old, new = tmp_path / "old", tmp_path / "new"
     for root in (old, new):
         (root / "target" / "xla").mkdir(parents=True)
-        for name in ("edgespec.json", "target/model.onnx", "target/xla/" + WEIGHTS):
+        for name in ("target/model.onnx", "target/xla/" + WEIGHTS):
             (root / name).write_text("x")
+        (root / "edgespec.json").write_text(json.dumps({"models": {"target": {"path": "target", "files": {"decoder": "model.onnx"}}}}))
         (root / "target" / "xla" / MANIFEST).write_text(json.dumps({"artifacts": {"prefill": {"16": {"file": "prefill_16.bin"}}}}))
         (root / "target" / "xla" / "prefill_16.bin").write_text("x")
     # an XLA artifact is the export's own where xla.json lists it; a graph's data file where the graph names it
     (old / "target" / "xla" / "prefill_32.bin").write_text("mine")
     (old / "target" / "model.onnx.data").write_text("mine")  # (model.onnx here is no graph: it names nothing)
     (old / "target" / "encoder_model.onnx").mkdir()  # a folder of a graph's name is not the export's
+    (old / "target" / "decoder_model.onnx").write_text("mine")  # nor a graph the manifest does not list
     (old / "target" / ".xla.partial-k3").mkdir()  # a killed XLA export's work folder is
     (old / "target" / ".xla.partial-k3" / "prefill_16.bin").write_text("x")
-    assert foreign_names(old, BUNDLE_FILES) == ["target/encoder_model.onnx", "target/model.onnx.data",
-                                                "target/xla/prefill_32.bin"]
+    assert foreign_names(old, BUNDLE_FILES) == ["target/decoder_model.onnx", "target/encoder_model.onnx",
+                                                "target/model.onnx.data", "target/xla/prefill_32.bin"]
     (old / "target" / "encoder_model.onnx").rmdir()
+    (old / "target" / "decoder_model.onnx").unlink()
     (old / "target" / "xla" / "prefill_32.bin").unlink()
     (old / "target" / "model.onnx.data").unlink()
     (new / "target" / "vocab.bpe").write_text("new")

@@ -539,7 +539,7 @@ def test_a_stale_unfinished_export_is_removed_only_if_it_holds_nothing_else(tmp_
                                                   "token": "t-live"}))
     pipeline._LIVE_EXPORTS.add("t-live")
     try:
-        with pytest.raises(OutputExistsError, match=r"is being written by another export now .*wait for it to finish"):
+        with pytest.raises(OutputExistsError, match=rf"is being written by another export \(pid {os.getpid()} on \S+: running.*wait for it to finish"):
             pipeline.check_output(out, [target], overwrite=True)
     finally:
         pipeline._LIVE_EXPORTS.discard("t-live")

@@ -90,7 +90,7 @@ def test_lookahead_warns_when_the_target_leaves_no_core(tiny_bundle, capsys):
         load(bundle, threads=0).generate([5, 9], max_new_tokens=4, drafter="lookahead")
     from edgespec.api import warn_if_no_spare_core
 
-    with pytest.warns(EdgeSpecWarning, match=f"on {cores + 3} threads on {cores} cores: "):  # (said "5 of 2 cores")
+    with pytest.warns(EdgeSpecWarning, match=rf"on {cores + 3} threads \({cores} cores\): "):  # (said "5 of 2 cores")
         warn_if_no_spare_core(cores + 3)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

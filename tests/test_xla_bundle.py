@@ -250,6 +250,25 @@ def test_xla_artifacts_of_another_model_are_refused(xla_bundle, tmp_path):
     load(b)   # the ONNX path does not read xla/
 
 
+def test_same_model_check_compares_what_both_configs_give(tmp_path):
+    """save_pretrained fills a null (num_key_value_heads: null becomes the head count) and adds
+    defaults: only values both configs give are compared (a null made a bundle's own checkpoint
+    'another model')."""
+    from edgespec.errors import InvalidArgumentError
+    from edgespec.export.xla import _check_same_model
+
+    ck, folder = tmp_path / "ck", tmp_path / "target"
+    ck.mkdir()
+    folder.mkdir()
+    (ck / "config.json").write_text(json.dumps({"model_type": "llama", "num_key_value_heads": None, "num_hidden_layers": 2}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_key_value_heads": 4, "num_hidden_layers": 2,
+                                                    "rope_theta": 10000.0}))
+    _check_same_model(ck, folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 3}))
+    with pytest.raises(InvalidArgumentError, match=r"holds another model than .*num_hidden_layers 2 vs 3"):
+        _check_same_model(ck, folder)
+
+
 def test_standalone_reexport_updates_the_bundle_summary(xla_bundle, tiny_checkpoints, tmp_path, capsys):
     """Re-exporting one model of a bundle with the standalone tool keeps edgespec.json's formats.xla true."""
     import shutil
