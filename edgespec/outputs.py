@@ -35,8 +35,9 @@ class OwnedNames:
 
     - ``names`` and ``patterns``: files (a folder of such a name is not ours: ``target/model.onnx/``);
     - ``folders``: subfolders, with the names written in them;
-    - ``listed``: reads, from the folder being checked, the names its own manifest lists (a graph's
-      external data, an XLA artifact): ``my-finetune.onnx`` beside them is not ours;
+    - ``listed``: reads, from the folder being checked, the names its own manifest lists (the graphs
+      a bundle's edgespec.json lists and the external data they name, the artifacts xla.json lists):
+      ``my-finetune.onnx`` beside them is not ours;
     - ``scratch``: patterns of a killed run's leftovers (work folders, markers), whatever they hold.
     """
 
