@@ -428,10 +428,16 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
     # the folders above --out that this export makes: a failed export removes them again (if empty)
     made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(dest)
-        _check_free_space(dest.parent, need)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+        for attempt in range(3):
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_partials(dest)
+            _check_free_space(dest.parent, need)
+            try:
+                tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+                break
+            except FileNotFoundError:  # another export's failure removed the folder it made above --out
+                if attempt == 2:
+                    raise
     except OSError as exc:
         _discard(None, made)
         raise _as_disk_full(exc, dest.parent, need) or exc

@@ -498,6 +498,29 @@ def test_swap_into_place_rechecks_the_output_at_the_rename(tmp_path, monkeypatch
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.old-")]
 
 
+def test_a_parent_folder_removed_by_another_failed_export_is_made_again(tmp_path, tiny_checkpoints, monkeypatch):
+    """Two exports into new sibling folders share a new parent; one that fails removes the parent it
+    made, and the other's work folder then had nowhere to go (a FileNotFoundError traceback)."""
+    import tempfile
+
+    from edgespec.export import pipeline
+
+    target, _ = tiny_checkpoints("gpt2")
+    out = tmp_path / "new-parent" / "bundle"
+    real, calls = tempfile.mkdtemp, []
+
+    def racing(*a, **k):
+        if str(k.get("prefix", "")).startswith(".bundle.partial-"):
+            calls.append(k["dir"])
+            if len(calls) == 1:
+                Path(k["dir"]).rmdir()  # the other export's failure, between this one's mkdir and its mkdtemp
+        return real(*a, **k)
+
+    monkeypatch.setattr(pipeline.tempfile, "mkdtemp", racing)
+    pipeline.export_bundle(target, out, progress=None)
+    assert len(calls) == 2 and _loads(out)
+
+
 def test_an_export_in_another_thread_of_this_process_is_alive(tmp_path):
     """A partial folder with this process's pid belongs to a live export if its token is one of this
     process's exports in progress (a second export to the same output in another thread deleted it)."""
