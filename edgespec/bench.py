@@ -17,7 +17,7 @@ from . import __version__
 from .backend import prompt_limit
 from .config import SamplingConfig
 from .errors import InvalidArgumentError, PromptTooLongError
-from .cli import at_least, parse_list
+from .cli import at_least, folder, parse_list
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
 from .report import OtherLoad, format_table, machine_description, plot, source_commit, warn_if_busy, write_json
@@ -112,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-huge-pages", action="store_true",
                    help="leave ONNX Runtime's weights on the pages it allocated (default: moved onto transparent "
                         "huge pages where Linux allows it; plain and speculative decoding are then faster)")
-    p.add_argument("--out", type=Path, default=None, help="folder for bench.json and PNG plots")
+    p.add_argument("--out", type=folder, default=None, help="folder for bench.json and PNG plots")
     p.add_argument("--quiet", action="store_true", help="no [bench] progress lines on stderr (the table and files are unchanged)")
 
 

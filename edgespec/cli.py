@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import warnings
+from pathlib import Path
 from typing import Callable
 
 from . import errors
@@ -95,6 +96,13 @@ def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
         return value
     parse.__name__ = f"integer >= {low}" + ("" if high is None else f" and <= {high}")
     return parse
+
+
+def folder(text: str) -> Path:
+    """An argparse type: a folder path, not empty (``--out ''`` was the current folder)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; give a folder path")
+    return Path(text)
 
 
 def parse_list(text: str, cast, name: str) -> list:

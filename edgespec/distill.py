@@ -28,7 +28,7 @@ from typing import Sequence
 from . import contract
 from .corpus import bar_options
 from .errors import CheckpointError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError, TrainingError
-from .cli import at_least
+from .cli import at_least, folder
 from .outputs import DRAFT_FILES, TOKENIZER_FILES, check_output_folder, check_writable, swap_into_place, usual_permissions
 
 MODES = ("mix", "kl", "tv")
@@ -568,7 +568,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=Path, required=True, help="Hugging Face target folder (safetensors + tokenizer.json)")
-    parser.add_argument("--out", type=Path, required=True, help="output folder for the draft checkpoint")
+    parser.add_argument("--out", type=folder, required=True, help="output folder for the draft checkpoint")
     parser.add_argument("--size", choices=sorted(SIZES), default=None,
                         help="draft size (default small, or the --init checkpoint's); --layers/--hidden/--heads/"
                              "--intermediate override it")

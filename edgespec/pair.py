@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 from . import contract
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, bar_options, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
-from .cli import at_least
+from .cli import at_least, folder
 from .outputs import PAIR_FILES, check_output_folder, check_swap, check_writable, swap_into_place, usual_permissions
 
 FORMAT_VERSION = 1
@@ -637,7 +637,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model sizes and steps: quick (minutes on a laptop CPU), bench (about 40 minutes on 2 cores), tiny (tests)")
     parser.add_argument("--corpus", nargs="+", metavar="FILE", type=Path, default=None,
                         help="text files or folders to train on (default: this Python's standard library sources)")
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=folder, default=None,
                         help="output folder (default: the cache, $EDGESPEC_CACHE/pairs/<preset>-<corpus hash>); a pair of the same recipe already there is reused")
     parser.add_argument("--seed", type=at_least(0), default=0, help="random seed of the initial weights and batches (the same seed gives the same weights on the "
                              "same machine, torch version and thread count; elsewhere they may differ slightly)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from edgespec.cli import folder
 from edgespec.errors import InvalidArgumentError
 
 from .quantize import QUANT_CHOICES
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--target", metavar="DIR", help="target (large) model checkpoint folder")
     src.add_argument("--draft", metavar="DIR", help="draft (small) model checkpoint folder; same tokenizer as the target")
     src.add_argument("--model", metavar="DIR", help="single model (no draft): same as --target without --draft")
-    parser.add_argument("--out", required=True, metavar="BUNDLE", help="bundle folder to write (must not exist or be empty)")
+    parser.add_argument("--out", type=folder, required=True, metavar="BUNDLE", help="bundle folder to write (must not exist or be empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier bundle at --out (only a bundle that holds nothing else)")
     parser.add_argument("--quantize", choices=QUANT_CHOICES, default="none", help="precision change for both models (default: none = fp32)")
     parser.add_argument("--quantize-target", choices=QUANT_CHOICES, default=None, help="override --quantize for the target")

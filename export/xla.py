@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edgespec import contract
+from edgespec.cli import folder
 from edgespec.errors import EdgeSpecWarning, InvalidArgumentError, OutputExistsError
 from edgespec.outputs import XLA_FILES, check_output_folder, check_writable, swap_into_place, usual_permissions
 
@@ -490,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m edgespec.export.xla", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", help="Hugging Face checkpoint folder")
-    parser.add_argument("out", help="output folder (artifacts go to OUT/xla)")
+    parser.add_argument("out", type=folder, help="output folder (artifacts go to OUT/xla)")
     add_xla_arguments(parser, "XLA export")
     args = parser.parse_args(argv)
     try:

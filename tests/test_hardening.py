@@ -166,6 +166,16 @@ def test_non_integer_top_k_on_the_command_line_is_a_usage_error(tiny_bundle, cap
     assert info.value.code == 2 and "--top-k: invalid int value" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv", [["export", "--model", "m"], ["bench", "b"], ["distill", "--target", "t"], ["train-pair"]])
+def test_an_empty_out_is_a_usage_error(argv, capsys, tmp_path, monkeypatch):
+    """--out '' was the current folder (an export into an empty working folder wrote the bundle there)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", ""])
+    assert exc.value.code == 2 and "argument --out: is empty; give a folder path" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
 def test_token_ids_outside_the_vocabulary(engine):
     for ids in ([-1, 4], [4, engine.target.vocab_size], [4, 10**12], np.array([4, -7], dtype=np.int8)):
         with pytest.raises(InvalidArgumentError, match=r"\[0, 80\)|integers"):
