@@ -308,7 +308,8 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
                                                       _validation_fix(quantized, layout, role))}
     manifest = dataclasses.replace(manifest, validation=record)
     diffs = ", ".join(f"{k} {v['max_abs_diff']:.2e}" for k, v in record.items())
-    progress(f"{role}: done in {time.perf_counter() - t0:.1f}s (max abs diff vs PyTorch: {diffs})")
+    took = time.perf_counter() - t0  # (a tiny draft's 34 ms read "0.0s": as if it had been skipped)
+    progress(f"{role}: done in {f'{took:.1f} s' if took >= 1 else f'{took * 1000:.0f} ms'} (max abs diff vs PyTorch: {diffs})")
     return manifest, opset
 
 
