@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import sys
 import sysconfig
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from .errors import EdgeSpecWarning, TrainingError
 
@@ -189,6 +190,25 @@ def load_corpus(paths: Sequence[os.PathLike | str] | None = None) -> tuple[str, 
 
 # ----------------------------------------------------------------------------- tokenizer
 
+# The BPE trainer's time grows with the square of a pre-tokenized word's length and cannot be
+# interrupted (it runs in Rust): one 200,000-character run took 20 s, a 5 MB line hung for good with
+# Ctrl-C ignored. Longer runs of non-space (or space) are given to the trainer in pieces of this
+# length (the tokenizer still encodes the whole text; the default corpus has no such run).
+LONGEST_RUN = 20_000
+_LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (LONGEST_RUN, LONGEST_RUN))
+
+
+def _bounded_runs(docs: Iterable[str]) -> Iterator[str]:
+    for doc in docs:
+        start = 0
+        for m in _LONG_RUN.finditer(doc) if len(doc) >= LONGEST_RUN else ():
+            if m.start() > start:
+                yield doc[start:m.start()]
+            yield from (doc[i:min(i + LONGEST_RUN, m.end())] for i in range(m.start(), m.end(), LONGEST_RUN))
+            start = m.end()
+        yield doc[start:] if start else doc
+
+
 def train_tokenizer(docs: Iterable[str], vocab_size: int, *, progress: bool = False):
     """Train a byte-level BPE ``tokenizers.Tokenizer`` whose ``encode`` prepends ``<|bos|>``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -204,7 +224,7 @@ def train_tokenizer(docs: Iterable[str], vocab_size: int, *, progress: bool = Fa
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=progress,
     )
-    tok.train_from_iterator(docs, trainer=trainer, length=None)
+    tok.train_from_iterator(_bounded_runs(docs), trainer=trainer, length=None)
     bos = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]

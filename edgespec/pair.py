@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 from . import contract
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, bar_options, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
-from .cli import at_least, folder
+from .cli import _Terminated, at_least, folder
 from .outputs import PAIR_FILES, check_output_folder, check_swap, check_writable, swap_into_place, usual_permissions
 
 FORMAT_VERSION = 1
@@ -482,7 +482,7 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
     work.mkdir(parents=True, exist_ok=True)
     try:
         return _train_pair_locked(p, c, dest, work, ident, seed, progress, callback, t_start, overwrite)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Terminated):  # Ctrl-C or SIGTERM: the state is saved the same way
         if _has_saved_training(work):
             print(f"edgespec: training so far is saved in {work}; run the same command again to resume from it "
                   "(delete that folder to start over)", file=sys.stderr)

@@ -125,13 +125,16 @@ def test_resume_after_interruption(pair, corpus, tmp_path, stop_role, stop_step,
     assert not out.exists()  # nothing half-written at the final place
     work = out.with_name(out.name + ".work")
     assert (work / f"{stop_role}.state.pt").is_file()
-    if stop_role == "target":  # Ctrl-C: the user is told the work folder resumes
-        def ctrl_c(role, step):
-            if step == stop_step + 1:
-                raise KeyboardInterrupt
-        with pytest.raises(KeyboardInterrupt):
-            train_pair("tiny", corpus, out, progress=False, callback=ctrl_c)
-        assert f"training so far is saved in {work}; run the same command again to resume" in capsys.readouterr().err
+    if stop_role == "target":  # Ctrl-C or SIGTERM: the user is told the work folder resumes
+        from edgespec.cli import _Terminated
+
+        for signal in (KeyboardInterrupt, _Terminated):  # (SIGTERM printed only "terminated")
+            def stop(role, step):
+                if step == stop_step + 1:
+                    raise signal
+            with pytest.raises(signal):
+                train_pair("tiny", corpus, out, progress=False, callback=stop)
+            assert f"training so far is saved in {work}; run the same command again to resume" in capsys.readouterr().err
 
     seen: list[tuple[str, int]] = []
     final = train_pair("tiny", corpus, out, progress=False, callback=lambda r, s: seen.append((r, s)))
@@ -368,3 +371,18 @@ def test_an_unreadable_out_is_a_typed_error(corpus, tmp_path, monkeypatch):
     (tmp_path / "out").mkdir()
     with pytest.raises(OutputExistsError, match="cannot be read .Permission denied"):
         train_pair("tiny", corpus, tmp_path / "out", progress=False)
+
+
+def test_a_very_long_run_is_given_to_the_tokenizer_trainer_in_pieces():
+    """One 5 MB line hung train-pair for good (the BPE trainer's time grows with the square of a
+    word's length, in Rust, where Ctrl-C cannot stop it): runs past LONGEST_RUN are cut into pieces
+    for the trainer only; every other text is passed as it is."""
+    from edgespec.corpus import LONGEST_RUN, _bounded_runs, train_tokenizer
+
+    doc = "ab cd " + "x" * (2 * LONGEST_RUN + 5) + " " * (LONGEST_RUN + 1) + "tail"
+    parts = list(_bounded_runs([doc, "short text"]))
+    assert "".join(parts[:-1]) == doc and parts[-1] == "short text"
+    assert max(map(len, parts)) == LONGEST_RUN and len(parts) == 8  # ab cd | x x x | spaces spaces | tail | short text
+    assert list(_bounded_runs(["x" * (LONGEST_RUN - 1)])) == ["x" * (LONGEST_RUN - 1)]
+    tok = train_tokenizer(["x" * 2_000_000, "def f(x):\n    return x\n"], 320)  # (20 s per 200,000 before; this hung)
+    assert tok.decode(tok.encode("x" * 50).ids) == "x" * 50
