@@ -20,7 +20,8 @@ from .errors import InvalidArgumentError, PromptTooLongError
 from .cli import at_least, folder, parse_list
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
-from .report import OtherLoad, format_table, machine_description, plot, source_commit, warn_if_busy, write_json
+from .report import (PLOT_FILES, OtherLoad, format_table, machine_description, plot, source_commit, warn_if_busy,
+                     write_json)
 
 
 @dataclass
@@ -246,6 +247,10 @@ def run(args: argparse.Namespace) -> int:
                "edgespec": {"version": __version__, "commit": source_commit()},
                "command": shlex.join(["edgespec", *getattr(args, "argv", ["bench"])])}
     if args.out is not None:
+        # an earlier run's report goes first: interrupted while plotting (or without matplotlib),
+        # the folder held this run's bench.json beside the last run's plots
+        for name in ("bench.json", *PLOT_FILES):
+            (args.out / name).unlink(missing_ok=True)
         write_json(args.out / "bench.json", payload)
         written = plot(rows, args.out)
         print(f"wrote {args.out / 'bench.json'}" + "".join(f", {p}" for p in written or []))

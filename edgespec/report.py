@@ -196,6 +196,9 @@ def write_json(path: Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+PLOT_FILES = ("speedup.png", "accepted_hist.png")  # what plot() writes into a bench --out
+
+
 def plot(rows: list[dict], out_dir: Path) -> list[Path] | None:
     """speedup.png (measured vs Theorem 3.8 against gamma) and accepted_hist.png; None without matplotlib."""
     try:
@@ -229,7 +232,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path] | None:
                     label=f"Thm 3.8 (alpha={a:.2f}, c={c:.3f})")
     ax.axhline(1.0, color="gray", lw=0.8)
     written.append(_finish(plt, fig, ax, "gamma (draft tokens per round)", "speedup over plain decoding",
-                           "Speculative vs plain decoding (medians, IQR bars)", out_dir / "speedup.png", 8))
+                           "Speculative vs plain decoding (medians, IQR bars)", out_dir / PLOT_FILES[0], 8))
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     shown = [r for r in rows if r["accepted_hist"]][:6]
     width = 0.8 / max(1, len(shown))
@@ -238,7 +241,7 @@ def plot(rows: list[dict], out_dir: Path) -> list[Path] | None:
         total = sum(h) or 1
         ax.bar([n + i * width for n in range(len(h))], [k / total for k in h], width=width, label=r["setting"])
     written.append(_finish(plt, fig, ax, "drafts kept in a round", "fraction of rounds",
-                           "Accepted-length histogram", out_dir / "accepted_hist.png", 7))
+                           "Accepted-length histogram", out_dir / PLOT_FILES[1], 7))
     return written
 
 

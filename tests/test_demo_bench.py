@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -90,11 +91,18 @@ def test_bench_writes_table_json_and_plots(tiny_bundle, tmp_path, capsys):
     assert "adaptive gamma / best static gamma" in out
 
 
-def test_bench_lookahead_drafter_side_by_side(tiny_bundle, tmp_path, capsys):
+def test_bench_lookahead_drafter_side_by_side(tiny_bundle, tmp_path, capsys, monkeypatch):
     """--draft model,lookahead: both drafters measured in one run; draft reads counted for both;
     a bad drafter name is a clean error."""
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "speedup.png").write_text("an earlier run's plot")  # (kept beside this run's bench.json
+    (tmp_path / "o" / "notes.txt").write_text("mine")                      # when plotting was interrupted)
+    import edgespec.bench
+
+    monkeypatch.setattr(edgespec.bench, "plot", lambda rows, out: None)  # no matplotlib: no plots
     assert main(["bench", str(tiny_bundle("llama")), "--gammas", "3", "--temperatures", "0", "--draft", "model,lookahead",
                  "--repeats", "1", "--max-new-tokens", "10", "--quiet", "--out", str(tmp_path / "o")]) == 0
+    assert sorted(os.listdir(tmp_path / "o")) == ["bench.json", "notes.txt"]
     data = json.loads((tmp_path / "o" / "bench.json").read_text())
     assert [r["draft"] for r in data["results"]] == ["model", "lookahead"]
     assert all(r["draft_bytes_per_token_spec"] > 0 for r in data["results"])
