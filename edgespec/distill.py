@@ -123,7 +123,9 @@ def check_hf_folder(folder: Path, role: str = "target") -> str | None:
                 "Convert it once, in an environment you trust: "
                 "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR, safe_serialization=True)"
             )
-        raise CheckpointError(f"{role} folder {folder} has no model.safetensors; save the model with safe_serialization=True")
+        from .export.checkpoint import no_weights_fix
+
+        raise CheckpointError(f"{role} folder {folder} has no model.safetensors; {no_weights_fix(folder)}")
     from .export.checkpoint import SUPPORTED_ARCHITECTURES, check_safetensors
 
     check_safetensors(sorted(folder.glob("*.safetensors")), role)

@@ -92,9 +92,18 @@ def inspect_checkpoint(path: str | Path, role: str) -> Checkpoint:
                 "unpickles checkpoints. Convert them to safetensors in a trusted environment "
                 "(model.save_pretrained(folder, safe_serialization=True)) and export again"
             )
-        raise CheckpointError(f"{role} checkpoint {str(folder)!r} has no *.safetensors weights; save the model with safe_serialization=True")
+        raise CheckpointError(f"{role} checkpoint {str(folder)!r} has no *.safetensors weights; {no_weights_fix(folder)}")
     check_safetensors(safetensors, role)
     return Checkpoint(path=folder, config=config, model_type=model_type, kind=SUPPORTED_ARCHITECTURES[model_type])
+
+
+def no_weights_fix(folder: Path) -> str:
+    """The fix for a checkpoint folder without safetensors: a bundle's model folder (ONNX graphs) is
+    no checkpoint at all (saving it again, the advice it got, was no help)."""
+    if any(folder.glob("*.onnx")):
+        return ("it holds exported ONNX graphs (a bundle's model folder): pass the Hugging Face checkpoint they were "
+                "exported from")
+    return "save the model with safe_serialization=True"
 
 
 def check_safetensors(files: list[Path], role: str) -> None:

@@ -944,3 +944,16 @@ def test_target_int8_on_hand_made_graphs(tmp_path, scheme, opset):
     changed = xs.copy()
     changed[0, 4] *= 30
     assert np.array_equal(sess.run(None, {"x": changed, "V": v})[0][:, :4], got[:, :4])
+
+
+def test_a_bundles_model_folder_given_as_a_checkpoint(tiny_bundle, tmp_path, capsys):
+    """export or distill given a bundle's target/ (ONNX graphs, no weights) were told to save the
+    model with safe_serialization=True; they are told to pass the checkpoint it came from."""
+    from edgespec.distill import distill
+
+    folder = tiny_bundle("llama") / "target"
+    with pytest.raises(CheckpointError, match=r"holds exported ONNX graphs \(a bundle's model folder\): pass the "
+                                              r"Hugging Face checkpoint"):
+        distill(folder, tmp_path / "d", steps=1)
+    _cli_fails(["export", "--model", str(folder), "--out", str(tmp_path / "o")], capsys, "holds exported ONNX graphs")
+    assert not (tmp_path / "d").exists() and not (tmp_path / "o").exists()
