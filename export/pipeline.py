@@ -222,7 +222,8 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     kv_heads, head_size = graph_info.kv_geometry(step_graph, past0)
     dec_start = ckpt.config.get("decoder_start_token_id")
     limit = tokenizer_size(vocab)
-    never = [e for e in _eos_ids(ckpt.path, ckpt.config) if e >= limit]
+    eos_ids = _eos_ids(ckpt.path, ckpt.config)
+    never = [e for e in eos_ids if e >= limit]
     if never:  # the runtime samples below the tokenizer's size: such an EOS never ends a generation
         warnings.warn(f"{role}: eos_token_id {never} is not among the tokenizer's {limit} ids, so it never ends a "
                       "generation (max_new_tokens or stop_token_ids will); fix eos_token_id in generation_config.json / "
@@ -276,7 +277,6 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
                     "per_forward": pbytes["per_forward"]}
     if seq2seq:
         bytes_record["encoder"] = graph_info.parameter_bytes(folder / files["encoder"])["per_forward"]
-    cfg = ckpt.config
     manifest = ModelManifest(
         path=role,
         architecture=ckpt.architecture,
@@ -286,7 +286,7 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
         vocab_size=rows,
         tokenizer_size=limit,
         bos_token_id=_optional_id(ckpt, "bos_token_id"),
-        eos_token_ids=_eos_ids(ckpt.path, cfg),
+        eos_token_ids=eos_ids,
         pad_token_id=_optional_id(ckpt, "pad_token_id"),
         decoder_start_token_id=dec_start if seq2seq else None,
         num_layers=num_layers,
@@ -527,11 +527,10 @@ _LIVE_EXPORTS: set[str] = set()  # marker tokens of this process's exports in pr
 
 def _marker_owner_alive(folder: Path) -> bool:
     """Whether the export that wrote ``folder``'s marker may still be running (unknown -> True)."""
-    try:
-        info = json.loads((folder / PARTIAL_MARKER).read_text())
-        pid, host = int(info["pid"]), str(info["host"])
-    except (OSError, ValueError, KeyError, TypeError):
+    info = _read_marker(folder)
+    if info is None:
         return False  # unreadable marker: the process died while writing it
+    pid, host = info["pid"], info["host"]
     if host != socket.gethostname():
         return True  # another machine (shared disk): cannot tell, leave it
     if pid == os.getpid():  # this process: alive while that export runs (another thread's)
@@ -545,12 +544,18 @@ def _marker_owner_alive(folder: Path) -> bool:
     return True
 
 
-def _marker_owner(folder: Path) -> str:
+def _read_marker(folder: Path) -> dict | None:
+    """The marker's pid (int), host (str) and token; None if it cannot be read."""
     try:
         info = json.loads((folder / PARTIAL_MARKER).read_text())
-        return f"pid {int(info['pid'])} on {str(info['host'])[:60]}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unknown"
+        return {**info, "pid": int(info["pid"]), "host": str(info["host"])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _marker_owner(folder: Path) -> str:
+    info = _read_marker(folder)
+    return "unknown" if info is None else f"pid {info['pid']} on {info['host'][:60]}"
 
 
 def _is_stale_partial(folder: Path) -> bool:
