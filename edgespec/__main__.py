@@ -1,6 +1,6 @@
 """``python -m edgespec``: the same as the ``edgespec`` command."""
 import sys
 
-from .cli import main
+from .cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())

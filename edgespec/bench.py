@@ -114,7 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave ONNX Runtime's weights on the pages it allocated (default: moved onto transparent "
                         "huge pages where Linux allows it; plain and speculative decoding are then faster)")
     p.add_argument("--out", type=folder, default=None, help="folder for bench.json and PNG plots")
-    p.add_argument("--quiet", action="store_true", help="no [bench] progress lines on stderr (the table and files are unchanged)")
+    p.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", help="no [bench] progress lines on stderr (the table and files are unchanged)")
 
 
 def read_prompts(path: Path | None) -> list[str]:

@@ -254,6 +254,13 @@ def load_bundle(folder: str | os.PathLike, *, allow_partial: bool = False,
     if not mpath.is_file() and (parent / contract.MANIFEST_NAME).is_file():  # a bundle's target/ or draft/
         raise BundleError(f"{str(root)!r} is the {root.resolve().name}/ folder inside a bundle; pass the bundle folder "
                           f"itself, {str(parent)!r}")
+    if not mpath.is_file() and (root / "config.json").is_file():  # a Hugging Face checkpoint (a pair's target/)
+        pair = root.resolve().parent
+        hint = (f"; its pair's bundle is {str(pair / 'bundle')!r}" if (pair / "pair.json").is_file() and
+                (pair / "bundle" / contract.MANIFEST_NAME).is_file() else "")
+        raise BundleError(
+            f"{str(root)!r} is a Hugging Face checkpoint, not an edgespec bundle; export it first: edgespec export "
+            f"--target {shlex.quote(str(root))} [--draft DRAFT_CHECKPOINT] --out BUNDLE{hint}")
     if not mpath.is_file():
         raise BundleError(
             f"{str(root)!r} has no {contract.MANIFEST_NAME}; it is not an edgespec bundle "

@@ -83,6 +83,22 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = shown
 
 
+def console_main() -> int:
+    """The ``edgespec`` program (``main`` is for callers in the same process, tests included)."""
+    code = main()
+    if code in (130, 143) and "jax" in sys.modules:
+        # Interrupted while XLA compiled, Python's own shutdown then ends in a segmentation fault
+        # inside JAX's unfinished work (exit 139 instead of 130). Every clean-up of ours has run by
+        # now (folders are removed as the exception unwinds), so leave without that shutdown.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+    return code
+
+
 def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer >= ``low`` and, if given, <= ``high`` (a usage error otherwise,
     not a traceback later)."""
@@ -214,4 +230,4 @@ _USER_FIXABLE_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, ge
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -93,3 +93,4 @@ class GenerationConfig:
             ids = getattr(self, name)
             if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
                 raise InvalidArgumentError(f"{name} must be non-negative integers; got {ids!r}")
+            object.__setattr__(self, name, tuple(dict.fromkeys(ids)))  # a set of ids, kept in the caller's order

@@ -101,12 +101,32 @@ def _content_hash(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8")).digest()
 
 
+def _split_tails(docs: list[str]) -> tuple[list[str], list[str]]:
+    """Each document cut at the line break nearest below 95% of its length (or at 95% when it has
+    none there): the heads to train on, the tails held out."""
+    train, held = [], []
+    for text in docs:
+        cut = text.rfind("\n", 0, int(len(text) * 0.95))
+        if cut <= 0 or cut >= len(text) - 1:
+            cut = int(len(text) * 0.95)
+        if 0 < cut < len(text):
+            train.append(text[:cut + 1])
+            if text[cut + 1:]:
+                held.append(text[cut + 1:])
+        else:  # too short to cut: trained on whole
+            train.append(text)
+    if not train or not held:
+        raise TrainingError("the corpus is too small to split off held-out text; pass more text with --corpus")
+    return train, held
+
+
 def load_documents(paths: Sequence[os.PathLike | str] | None = None) -> Corpus:
     """Read the corpus (default: the stdlib sources) and split it into train and held-out documents.
 
     A file is held out when the first 8 bytes of its content's SHA-256, read as an integer, are
     divisible by 20 (about 5% of files); at least one file goes each way. A corpus of a single file
-    is split at the line boundary nearest to 95% of its length instead.
+    is split at the line boundary nearest to 95% of its length instead, and so is every document of
+    a corpus whose held-out files would hold more than a third of its text (a few unequal files).
     """
     if paths is None:
         files = stdlib_files()
@@ -146,13 +166,7 @@ def load_documents(paths: Sequence[os.PathLike | str] | None = None) -> Corpus:
     keys = [int.from_bytes(h[:8], "little") for h in hashes]
     rule = f"sha256(file content) % {HELDOUT_ONE_IN} == 0"
     if len(set(keys)) == 1:  # one document, or copies of one: split its lines
-        text = docs[0]
-        cut = text.rfind("\n", 0, int(len(text) * 0.95))
-        if cut <= 0 or cut >= len(text) - 1:
-            cut = int(len(text) * 0.95)
-        if cut <= 0 or cut >= len(text):
-            raise TrainingError("the corpus is too small to split off held-out text; pass more text with --corpus")
-        train, held = [text[:cut + 1]], [text[cut + 1:]]
+        train, held = _split_tails(docs[:1])
         rule = "the last 5% of the text (one distinct document)"
     else:
         # By content: identical files always land on the same side (a copy of a held-out file in
@@ -166,6 +180,14 @@ def load_documents(paths: Sequence[os.PathLike | str] | None = None) -> Corpus:
             rule += "; the file(s) with the largest sha256 kept for training"
         train = [d for d, h in zip(docs, is_held) if not h]
         held = [d for d, h in zip(docs, is_held) if h]
+        held_bytes = sum(len(d.encode("utf-8")) for d in held)
+        if 3 * held_bytes > total:
+            # A corpus of a few files of unequal size: the file(s) the rule picked hold most of the
+            # text, which training would never see. Hold out the tail of every distinct document
+            # instead (a copy's tail is the same text, so it is held out with it: nothing leaks).
+            train, held = _split_tails(list(dict.fromkeys(docs)))
+            rule = (f"the last 5% of each distinct document ({rule} would have held out "
+                    f"{100 * held_bytes / total:.0f}% of the text)")
     description = {
         "source": source,
         "root": str(Path(sysconfig.get_paths()["stdlib"])) if source == "python-stdlib" else None,
@@ -242,11 +264,29 @@ def hf_tokenizer(tok, model_max_length: int):
     )
 
 
+class _FramesAsLines:
+    """Off a terminal, tqdm's frames (each written as '\r' + frame, and cleared with '\r' + blanks)
+    go to the log one line each, not as one long line of carriage returns."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.encoding = getattr(stream, "encoding", None) or "utf-8"
+
+    def write(self, s: str) -> None:
+        for line in s.replace("\r", "\n").split("\n"):
+            if line.strip():
+                self.stream.write(line.rstrip() + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def bar_options(progress: bool) -> dict:
     """tqdm options for edgespec's progress bars: on stderr; off a terminal (a CI log, a pipe) a frame
-    at most every 30 s, not ten a second, since each frame is appended to the log."""
-    quiet_log = progress and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
-    return {"disable": not progress, "file": sys.stderr, "mininterval": 30.0 if quiet_log else 0.1}
+    at most every 30 s, not ten a second, since each frame is appended to the log, and one per line."""
+    on_terminal = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
+    return {"disable": not progress, "file": sys.stderr if on_terminal else _FramesAsLines(sys.stderr),
+            "mininterval": 0.1 if on_terminal else 30.0}
 
 
 def encode_docs(tok, docs: Sequence[str], *, bos_id: int | None, eos_id: int | None,

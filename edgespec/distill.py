@@ -601,7 +601,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=at_least(0), default=0)
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier distilled draft at --out (only one that holds nothing else)")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true", help="no progress bars on stderr")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -642,9 +642,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=at_least(0), default=0, help="random seed of the initial weights and batches (the same seed gives the same weights on the "
                              "same machine, torch version and thread count; elsewhere they may differ slightly)")
     parser.add_argument("--overwrite", action="store_true", help="retrain and replace an earlier pair at --out (only a pair folder that holds nothing else)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true", help="no progress bars or messages on stderr")
     parser.add_argument("--print-path", action="store_true",
-                        help="print only the pair folder (train or reuse it first), for scripts")
+                        help="print only the pair folder on stdout (train or reuse it first), for scripts; "
+                             "progress stays on stderr (add --no-progress to silence it)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -652,7 +653,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--overwrite replaces an --out folder; the cached pair (no --out) is reused while it "
                                    "matches the recipe: add --out FOLDER, or delete the cached pair to retrain it")
     path = train_pair(args.preset, args.corpus, args.out, seed=args.seed,
-                      progress=not (args.no_progress or args.print_path), overwrite=args.overwrite)
+                      progress=not args.no_progress, overwrite=args.overwrite)
     if args.print_path:
         print(path)
         return 0

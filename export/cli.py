@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "where the architecture has one, else optimum")
     parser.add_argument("--atol", type=float, default=None, help="validation tolerance, fp32 graphs (default 1e-3)")
     parser.add_argument("--quantized-atol", type=float, default=None, help="validation tolerance, int8 graphs (default 1.0)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--format", choices=("onnx", "onnx+xla"), default="onnx",
                         help="onnx (default), or onnx+xla to also write jax.export artifacts for the XLA runtime "
                              "(needs the xla extra: pip install 'edgespec[xla]')")

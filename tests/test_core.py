@@ -347,6 +347,13 @@ def test_bad_generation_parameters(kwargs, match):
     with pytest.raises(InvalidArgumentError, match=match):
         GenerationConfig(**kwargs)
     assert issubclass(InvalidArgumentError, EdgeSpecError)
+    with pytest.raises(InvalidArgumentError, match="stop_token_ids"):   # unhashable: judged, not a TypeError
+        GenerationConfig(stop_token_ids=([3],))
+
+
+def test_repeated_end_ids_are_one_set_in_the_callers_order():
+    c = GenerationConfig(eos_token_ids=(2, 2), stop_token_ids=(7, np.int64(3), 7, 3))
+    assert c.eos_token_ids == (2,) and c.stop_token_ids == (7, 3)
 
 
 def test_bad_prompts():

@@ -197,7 +197,9 @@ def test_settings_run_side_by_side_with_a_shared_plain_run(monkeypatch):
         assert all(r.plain_tps == group[0].plain_tps and len(r.plain_tps) == 2 for r in group)
         for r in group:
             assert r.ratios == [s / p for s, p in zip(r.spec_tps, r.plain_tps)]
-            assert r.summary()["target_read_reduction"] > 1
+            # (adaptive gamma prices rounds with timed calls: on a loaded machine it may take plain steps only)
+            reduction = r.summary()["target_read_reduction"]
+            assert reduction > 1 if r.setting.gamma else reduction >= 1
     versus = adaptive_vs_static(res)
     assert [v["temperature"] for v in versus] == [0.0, 1.0]
     for v, group in zip(versus, (res[:3], res[3:])):

@@ -228,7 +228,7 @@ def test_bad_corpus(tmp_path, monkeypatch):
     binary.rename(folder / "data.bin")
     with pytest.warns(EdgeSpecWarning):  # (a.txt's)
         docs = load_documents([folder])
-    assert len(docs.train_docs + docs.heldout_docs) == 2
+    assert docs.description["files"] == 2 and "\x00" not in "".join(docs.train_docs + docs.heldout_docs)
     monkeypatch.setenv("HOME", str(tmp_path))  # ~ is the user's folder (it was read as a folder named ~)
     assert load_documents(["~/folder/b.txt"]).description == load_documents([folder / "b.txt"]).description
 
@@ -318,20 +318,26 @@ def test_presets_are_sized_as_documented():
         assert p.target.layers > p.draft.layers or p.target.hidden > p.draft.hidden
 
 
-def test_progress_bars_are_sparse_off_a_terminal(monkeypatch, corpus, tmp_path):
+def test_progress_bars_are_sparse_off_a_terminal(monkeypatch, corpus, tmp_path, capsys):
     """Off a terminal (a CI log, a pipe) a bar draws a frame at most every 30 s: each frame is
-    appended to the log. Also in a real training run: the loss shown beside the bar must not force a
-    frame per step (set_postfix refreshes by default)."""
+    appended to the log, on a line of its own. Also in a real training run: the loss shown beside
+    the bar must not force a frame per step (set_postfix refreshes by default). --print-path puts
+    the folder alone on stdout and leaves the progress on stderr."""
     import io
     import sys
 
     from edgespec.corpus import bar_options
 
-    log = io.StringIO()
-    monkeypatch.setattr(sys, "stderr", log)
-    train_pair("tiny", corpus, tmp_path / "p", seed=0, progress=True)
-    frames = log.getvalue().count("step/s") + log.getvalue().count("s/step")
-    assert 0 < frames <= 12, frames  # two bars (target, draft): open, close, and a frame per 30 s
+    out = tmp_path / "p"
+    assert main(["train-pair", "--preset", "tiny", "--corpus", *map(str, corpus), "--out", str(out), "--print-path"]) == 0
+    printed, log = capsys.readouterr()
+    assert printed == f"{out.absolute()}\n"
+    frames = [line for line in log.splitlines() if "step/s" in line or "s/step" in line]
+    assert 0 < len(frames) <= 12, frames  # two bars (target, draft): open, close, and a frame per 30 s
+    assert "\r" not in log and all(line.lstrip().startswith("train ") for line in frames), log
+    assert main(["train-pair", "--preset", "tiny", "--corpus", *map(str, corpus), "--out", str(out), "--print-path",
+                 "--quiet"]) == 0  # reused, silently: --quiet is --no-progress's other name, as in export and bench
+    assert capsys.readouterr() == (f"{out.absolute()}\n", "")
     monkeypatch.setattr(sys, "stderr", io.StringIO())
     assert bar_options(True)["mininterval"] == 30.0 and not bar_options(True)["disable"]
     assert bar_options(False)["disable"]
@@ -358,6 +364,12 @@ def test_a_pair_folder_passed_as_a_bundle_says_where_the_bundle_is(pair, tmp_pat
     (copy / "bundle" / "edgespec.json").write_text("{}")
     with pytest.raises(BundleError, match=r"its bundle/ .which edgespec demo exports. is .*bundle."):
         load_bundle(copy)
+    # one of its checkpoints (`edgespec bench PAIR/target`) was told to "run `edgespec export` again"
+    with pytest.raises(BundleError, match=r"is a Hugging Face checkpoint, not an edgespec bundle; export it first: "
+                                          r"edgespec export --target .*pair/target.* --out BUNDLE; its pair's bundle is .*pair/bundle'$"):
+        load_bundle(copy / "target")
+    with pytest.raises(BundleError, match=r"Hugging Face checkpoint.*--out BUNDLE$"):
+        load_bundle(pair / "draft")
 
 
 def test_an_unreadable_out_is_a_typed_error(corpus, tmp_path, monkeypatch):
@@ -386,3 +398,28 @@ def test_a_very_long_run_is_given_to_the_tokenizer_trainer_in_pieces():
     assert list(_bounded_runs(["x" * (LONGEST_RUN - 1)])) == ["x" * (LONGEST_RUN - 1)]
     tok = train_tokenizer(["x" * 2_000_000, "def f(x):\n    return x\n"], 320)  # (20 s per 200,000 before; this hung)
     assert tok.decode(tok.encode("x" * 50).ids) == "x" * 50
+
+
+def test_a_few_unequal_files_do_not_hold_out_most_of_the_text(tmp_path):
+    """With 2-3 files, the file the sha256 rule held out could be the large one, leaving training a
+    small fraction of the corpus; then every document's tail is held out instead."""
+    big = "".join(f"def big_{i}(x):\n    return x * {i}\n" for i in range(2000))
+    small = "".join(f"s{i} = {i}\n" for i in range(200))
+    for trial in range(8):   # vary the content until the rule picks the big file at least once
+        folder = tmp_path / f"c{trial}"
+        folder.mkdir()
+        (folder / "big.py").write_text(big + f"# {trial}\n")
+        (folder / "small.py").write_text(small)
+        (folder / "small_copy.py").write_text(small)
+        c = load_documents(sorted(folder.iterdir()))
+        d = c.description
+        assert 0 < d["heldout_bytes"] and 3 * d["heldout_bytes"] <= d["bytes"], d
+        assert not set(c.heldout_docs) & set(c.train_docs)
+        if "each distinct document" in d["heldout_rule"]:
+            assert d["train_files"] == 2 and d["heldout_files"] == 2, d   # a head and a tail of each distinct text
+            assert {t + h for t, h in zip(c.train_docs, c.heldout_docs)} == {big + f"# {trial}\n", small}
+            break
+    else:
+        pytest.fail("the sha256 rule never held out the big file in 8 trials")
+    stdlib = load_corpus()[2]   # the default corpus keeps its whole-file split (and the default pair its data)
+    assert "each distinct document" not in stdlib["heldout_rule"] and stdlib["heldout_bytes"] * 5 < stdlib["bytes"]

@@ -295,3 +295,31 @@ def test_standalone_reexport_updates_the_bundle_summary(xla_bundle, tiny_checkpo
     assert after["draft"] == before["draft"] and before["target"]["max_length"] == 64
     out = load(b, runtime="xla").generate([3, 9, 4], max_new_tokens=8, temperature=0.0, gamma=3)
     assert out.ids == load(b).generate([3, 9, 4], max_new_tokens=8, temperature=0.0, gamma=3).ids
+
+
+def test_ctrl_c_while_xla_compiles_exits_130_not_a_crash(xla_bundle):
+    """Interrupted while XLA compiled the artifacts, Python's shutdown ended in a segmentation fault
+    inside JAX's unfinished work (exit 139; here, with these tiny artifacts, for a Ctrl-C 0.2-0.3 s
+    into the target's compile); the program now leaves with 130 wherever the Ctrl-C lands."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from edgespec.cli import console_main\n"
+            f"sys.argv = ['edgespec', 'bench', {str(xla_bundle('llama'))!r}, '--runtime', 'xla', '--repeats', '1', "
+            "'--gammas', '1,2,3,4,5,auto']\n"
+            "sys.exit(console_main())\n")
+    for delay in (0.1, 0.2, 0.3, 0.4):
+        proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "compiling the target's XLA artifacts" in line:
+                time.sleep(delay)
+                proc.send_signal(signal.SIGINT)
+                break
+        err = "".join(lines) + proc.stderr.read()
+        assert proc.wait(timeout=120) == 130, (delay, err)
+        assert "edgespec bench: interrupted" in err and "Traceback" not in err
