@@ -281,12 +281,13 @@ class _FramesAsLines:
         self.stream.flush()
 
 
-def bar_options(progress: bool) -> dict:
+def bar_options(progress: bool, leave: bool = True) -> dict:
     """tqdm options for edgespec's progress bars: on stderr; off a terminal (a CI log, a pipe) a frame
-    at most every 30 s, not ten a second, since each frame is appended to the log, and one per line."""
+    at most every 30 s, not ten a second, since each frame is appended to the log, one per line, and
+    the last frame always (``leave=False`` clears a bar from a terminal only: a log would end at 0%)."""
     on_terminal = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
     return {"disable": not progress, "file": sys.stderr if on_terminal else _FramesAsLines(sys.stderr),
-            "mininterval": 0.1 if on_terminal else 30.0}
+            "mininterval": 0.1 if on_terminal else 30.0, "leave": leave or not on_terminal}
 
 
 def encode_docs(tok, docs: Sequence[str], *, bos_id: int | None, eos_id: int | None,
@@ -296,7 +297,7 @@ def encode_docs(tok, docs: Sequence[str], *, bos_id: int | None, eos_id: int | N
     from tqdm.auto import tqdm
 
     parts = []
-    with tqdm(total=len(docs), desc=desc, unit="file", leave=False, **bar_options(progress)) as bar:
+    with tqdm(total=len(docs), desc=desc, unit="file", **bar_options(progress, leave=False)) as bar:
         for i in range(0, len(docs), chunk):
             batch = list(docs[i:i + chunk])
             for enc in tok.encode_batch(batch, add_special_tokens=False):

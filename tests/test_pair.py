@@ -335,6 +335,7 @@ def test_progress_bars_are_sparse_off_a_terminal(monkeypatch, corpus, tmp_path, 
     frames = [line for line in log.splitlines() if "step/s" in line or "s/step" in line]
     assert 0 < len(frames) <= 12, frames  # two bars (target, draft): open, close, and a frame per 30 s
     assert "\r" not in log and all(line.lstrip().startswith("train ") for line in frames), log
+    assert any(line.startswith("tokenize train: 100%") for line in log.splitlines()), log  # not left at 0%
     assert main(["train-pair", "--preset", "tiny", "--corpus", *map(str, corpus), "--out", str(out), "--print-path",
                  "--quiet"]) == 0  # reused, silently: --quiet is --no-progress's other name, as in export and bench
     assert capsys.readouterr() == (f"{out.absolute()}\n", "")
@@ -346,8 +347,10 @@ def test_progress_bars_are_sparse_off_a_terminal(monkeypatch, corpus, tmp_path, 
         def isatty(self):
             return True
 
+    assert bar_options(True, leave=False)["leave"]   # a log keeps a bar's last frame (it ended at 0% before)
     monkeypatch.setattr(sys, "stderr", Tty())
-    assert bar_options(True)["mininterval"] == 0.1
+    assert bar_options(True)["mininterval"] == 0.1 and bar_options(True)["file"] is sys.stderr
+    assert not bar_options(True, leave=False)["leave"]
 
 
 def test_a_pair_folder_passed_as_a_bundle_says_where_the_bundle_is(pair, tmp_path):
