@@ -124,17 +124,19 @@ class _Detokenizer:
 class _Lease:
     """The right to use an Engine's backends for one generate call (or one stream)."""
 
-    __slots__ = ("thread", "revoked")
+    __slots__ = ("thread", "revoked", "stepping")
 
     def __init__(self):
         self.thread = threading.get_ident()
         self.revoked = False
+        self.stepping = False  # a step is running on the backends now (in whichever thread)
 
 
 class _EngineGuard:
     """Serializes generate calls on one Engine. A call waits while another thread holds the engine;
-    a holder of the *same* thread can only be an open stream that is not being stepped right now
-    (the thread is here instead), so it is revoked rather than waited for (that would deadlock)."""
+    a holder of the *same* thread is an open stream, which is revoked rather than waited for (that
+    would deadlock), once the step it may be running in another thread (a stream handed to a
+    worker) has ended."""
 
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
@@ -146,14 +148,30 @@ class _EngineGuard:
         with self._cond:
             while self._holder is not None:
                 if self._holder.thread == lease.thread:
-                    self._holder.revoked = True
-                    break
+                    self._holder.revoked = True   # its next step raises; one running now ends first
+                    if not self._holder.stepping:
+                        break
+                    self._cond.wait()
+                    continue
                 if not self._cond.wait(self.timeout):
                     raise EngineBusyError(
                         f"the engine is still busy with another thread's generate call after {self.timeout} s; "
                         "finish or close that stream first, or load one engine per thread (edgespec.load)")
             self._holder = lease
         return lease
+
+    def begin_step(self, lease: _Lease) -> None:
+        """Mark a stream's step as running, unless the stream was superseded (checked under the same
+        lock as the revocation, so a step never starts on caches another call has taken)."""
+        with self._cond:
+            if lease.revoked:
+                raise EngineBusyError(_SUPERSEDED)
+            lease.stepping = True
+
+    def end_step(self, lease: _Lease) -> None:
+        with self._cond:
+            lease.stepping = False
+            self._cond.notify_all()
 
     def release(self, lease: _Lease | None) -> None:
         if lease is None:
@@ -188,12 +206,17 @@ class _StreamCore:
                 self.lease = self.guard.acquire()
             lease = self.lease
             while not self.closed:
-                if lease is not None and lease.revoked:
-                    raise EngineBusyError(_SUPERSEDED)
+                if lease is not None:
+                    self.guard.begin_step(lease)
                 try:
-                    block = next(self.blocks)
+                    block, ended = next(self.blocks), None
                 except StopIteration as stop:
-                    self.result = self.finish(stop.value)
+                    ended = stop
+                finally:
+                    if lease is not None:
+                        self.guard.end_step(lease)
+                if ended is not None:
+                    self.result = self.finish(ended.value)
                     tail = self.detok.flush() if self.detok is not None else ""
                     if tail:  # generation ended inside a multi-byte character: its bytes decode as U+FFFD
                         yield StreamChunk(tail, [])
@@ -347,7 +370,7 @@ class Engine:
                                        f"tokenizer); got {ids!r:.80}")
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _prompt_ids(self, prompt, use_draft: bool) -> list[int]:
+    def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:  # whitespace is text: "\n" encodes to tokens
                 raise InvalidArgumentError("the prompt is empty; pass some text (CLI: a non-empty --prompt or --prompt-file) "
@@ -374,12 +397,13 @@ class Engine:
             if not items or any(isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) for i in items):
                 raise InvalidArgumentError("prompt ids must be a non-empty 1-D sequence of integers (not bools)")
             ids = [int(i) for i in items]
-        limit = self.target.vocab_size
-        if use_draft:
-            limit = min(limit, self.draft.vocab_size)
+        # This bundle's token ids, with or without a draft (which has a stand-in for ids past its own
+        # rows): rows past the tokenizer are padding that no text encodes to and decode() refuses.
+        limit = self.vocab_size
         bad = [i for i in ids if not 0 <= i < limit]
         if bad:
-            raise InvalidArgumentError(f"prompt token ids must be in [0, {limit}); got {bad[:5]}")
+            raise InvalidArgumentError(f"prompt token ids must be in [0, {limit}) (this bundle's tokenizer: "
+                                       f"engine.encode(text) gives them); got {bad[:5]}")
         return ids
 
     def _check_text_fits(self, text: str) -> None:
@@ -492,7 +516,9 @@ class Engine:
         fixed = [gamma] if isinstance(gamma, int) and not isinstance(gamma, bool) else []
         max_gamma = gamma_bound(fixed, self.verify_width() if use_draft or ngram else None)
         stop_token_ids = () if stop_token_ids is None else stop_token_ids
-        if isinstance(stop_token_ids, (str, bytes)) or not isinstance(stop_token_ids, Iterable) or not all(
+        if not isinstance(stop_token_ids, (str, bytes)) and isinstance(stop_token_ids, Iterable):
+            stop_token_ids = tuple(stop_token_ids)  # (an iterator is read once: by the check below, it was)
+        if not isinstance(stop_token_ids, tuple) or not all(
                 isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in stop_token_ids):
             raise InvalidArgumentError(f"stop_token_ids must be a sequence of integer token ids; got {stop_token_ids!r:.80}")
         config = GenerationConfig(
@@ -505,8 +531,9 @@ class Engine:
             max_gamma=max_gamma,
             vocab_size=self.vocab_size,
         )
-        ignored = [f"{n} (CLI --{n.replace('_', '-')})" for n, on in (("top_k", top_k != 0), ("top_p", top_p != 1))
-                if on and config.sampling.greedy]
+        ignored = [f"{n} (CLI --{n.replace('_', '-')})" for n, on in (("top_k", top_k != 0), ("top_p", top_p != 1),
+                                                                     ("lenience", config.lenience != 1))
+                   if on and config.sampling.greedy]  # (lenience: a one-hot p keeps the argmax draft whatever l)
         if ignored:  # as Hugging Face's generate does, a warning: scripts sweep temperatures with one set of keywords
             warnings.warn(f"{' and '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect at temperature 0: greedy "
                           f"decoding takes the target's argmax; drop {'it' if len(ignored) == 1 else 'them'} or set a temperature above 0",
@@ -516,8 +543,8 @@ class Engine:
             raise InvalidArgumentError(f"stop_token_ids (CLI --stop-token-ids) {never[:5]} can never be generated (this "
                                        f"bundle's token ids are < {self.vocab_size}); pass ids of its tokenizer "
                                        "(engine.encode(text))")
-        ids = self._prompt_ids(prompt_or_ids, use_draft)
-        self._check_lengths(len(ids), max_new_tokens)
+        ids = self._prompt_ids(prompt_or_ids)
+        self._check_lengths(len(ids), config.max_new_tokens)
         if use_draft and len(ids) > prompt_limit(self.draft):
             if asked is not None or idle:  # the draft was asked for
                 raise PromptTooLongError(
@@ -694,6 +721,13 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
         raise InvalidArgumentError(f"load takes the bundle's folder (a path from `edgespec export --out`); got {bundle!r:.80}")
     root = Path(bundle)
     manifest = load_bundle(root, roles=None if load_draft else (contract.ROLE_TARGET,))  # plain decoding needs no draft files
+    unused = [n for n, given in (("draft_providers", draft_providers is not None), ("draft_threads", draft_threads != 1),
+                                 ("draft_spinning", draft_spinning is not None)) if given]
+    if (manifest.draft is None or not load_draft) and unused:  # (a script loading bundles of either kind alike)
+        why = ("load_draft=False loads no draft model" if manifest.draft is not None else
+               f"{str(root)!r} holds no draft model (export it with --draft to speculate with one)")
+        warnings.warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: {why}; drop "
+                      f"{'it' if len(unused) == 1 else 'them'}", EdgeSpecWarning, stacklevel=2)
     if runtime == "xla":  # the ONNX Runtime session settings below do not apply
         providers, draft_providers = ("cpu",), None
     target_cfg = SessionConfig(providers=resolve_providers(providers), intra_op_threads=threads, spinning=spinning,

@@ -135,6 +135,8 @@ def test_stop_conditions_and_stats(engines):
     cut = eng.generate(PROMPT, max_new_tokens=20, temperature=0, stop_token_ids=[stop])
     assert cut.finish_reason == "stop" and cut.ids[-1] == stop and stop not in cut.ids[:-1]
     assert cut.ids == longer.ids[: len(cut.ids)]
+    for once in (iter([stop]), (i for i in [stop]), map(int, [stop])):   # an iterator was used up by the type check
+        assert eng.generate(PROMPT, max_new_tokens=20, temperature=0, stop_token_ids=once).ids == cut.ids
     s = longer.stats.to_dict()
     assert s["emitted"] == len(longer.ids) == 20
     assert s["accepted"] == longer.sources.count("accepted")
@@ -150,6 +152,9 @@ def test_ids_prompt_and_single_model_bundle(engines, tiny_bundle):
     assert eng.generate(ids, max_new_tokens=6, temperature=0).ids == eng.generate(PROMPT, max_new_tokens=6, temperature=0).ids
     no_draft = load(tiny_bundle("gpt2"), load_draft=False)
     assert not no_draft.has_draft
+    with pytest.warns(EdgeSpecWarning, match=r"^draft_providers, draft_threads have no effect: load_draft=False loads no "
+                                             r"draft model; drop them$"):
+        load(tiny_bundle("gpt2"), load_draft=False, draft_threads=2, draft_providers=["cpu"])
     assert set(no_draft.generate(PROMPT, max_new_tokens=4, temperature=0).sources) == {"target"}
     for drafter in ("model", "lookahead", "hybrid"):  # asked for by name: not a silent plain run
         with pytest.raises(InvalidArgumentError, match=f"drafter='{drafter}'.*load_draft=False.*ngram"):
@@ -191,11 +196,28 @@ def test_bad_inputs(engines, tiny_bundle):
         assert eng.generate(PROMPT, max_new_tokens=6, temperature=0, top_k=5).ids == greedy
     with pytest.warns(EdgeSpecWarning, match=r"top_k .* and top_p \(CLI --top-p\) have no effect.*drop them"):
         eng.generate(PROMPT, max_new_tokens=2, temperature=0, top_k=5, top_p=0.5)
+    with pytest.warns(EdgeSpecWarning, match=r"^lenience \(CLI --lenience\) has no effect at temperature 0"):
+        assert eng.generate(PROMPT, max_new_tokens=6, temperature=0, lenience=0.1).ids == greedy   # argmax kept whatever l
+    # a numpy scalar is summed with the prompt length as a Python int (int8 overflowed, uint8 wrapped around)
+    limit = eng.manifest.target.max_positions
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # numpy's overflow warning included (the check wrapped around and passed)
+        for small in (np.uint8(250), np.int8(100)):
+            with pytest.raises(PromptTooLongError, match="max_new_tokens"):
+                eng.generate([5] * (limit - 10), max_new_tokens=small)
     with pytest.raises(InvalidArgumentError, match="non-empty"):
         eng.generate([])
-    with pytest.raises(InvalidArgumentError, match=r"\[0, 80\)"):  # shared vocab with the draft
-        eng.generate([4, 90])
-    with pytest.raises(InvalidArgumentError, match=r"\[0, 80\)"):  # beyond int64: the range, not "integers"
+    # one range, the tokenizer's, with or without the draft (its 80 rows took ids the tokenizer has
+    # not, which decode() then refused, and refused 85, which the target's 96 rows and plain decoding took)
+    n = eng.vocab_size
+    assert n < eng.draft.vocab_size < eng.target.vocab_size
+    for use_draft in (True, False):
+        for bad in (n, 85, 90):
+            with pytest.raises(InvalidArgumentError, match=rf"must be in \[0, {n}\) \(this bundle's tokenizer: engine.encode"):
+                eng.generate([4, bad], max_new_tokens=2, use_draft=use_draft)
+        out = eng.generate([4, n - 1], max_new_tokens=2, use_draft=use_draft)
+        assert eng.decode(out.prompt_ids) == eng.decode([4, n - 1])
+    with pytest.raises(InvalidArgumentError, match=rf"\[0, {n}\)"):  # beyond int64: the range, not "integers"
         eng.generate([4, 2**70])
     with pytest.raises(PromptTooLongError, match="characters; its first .* alone are .* tokens, more than the 128"):
         eng.generate("the cat " * 50_000)   # refused from a prefix, before the whole text is tokenized

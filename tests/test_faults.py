@@ -304,6 +304,46 @@ def test_second_stream_in_the_same_thread_supersedes_the_first(engine, tiny_bund
         list(sixth)
 
 
+@pytest.mark.parametrize("call", ["generate", "close"])
+def test_a_stream_handed_to_another_thread_is_waited_for_mid_step(engine, tiny_bundle, monkeypatch, call):
+    """A stream started in this thread and stepped in a worker: this thread's next call found the
+    holder to be "its own" idle stream and took the caches while the worker's step ran (other
+    output, segmentation faults). It now waits for that step to end, then supersedes the stream."""
+    ref = _reference(tiny_bundle("gpt2"), [2], **KW)
+    s = engine.generate(PROMPT, seed=1, stream=True, **KW)
+    next(s)                                           # started (and leased) in this thread
+    entered, release, outcome = threading.Event(), threading.Event(), []
+    real_extend = engine.target.extend
+
+    def held_extend(*args, **kwargs):                 # the worker's step stops inside the target's call
+        if threading.current_thread() is worker:
+            entered.set()
+            release.wait(30)
+        return real_extend(*args, **kwargs)
+
+    def consume():
+        try:
+            list(s)
+            outcome.append("finished")
+        except EngineBusyError as exc:
+            outcome.append(str(exc))
+
+    monkeypatch.setattr(engine.target, "extend", held_extend)
+    worker = threading.Thread(target=consume)
+    worker.start()
+    assert entered.wait(30)
+    threading.Timer(0.3, release.set).start()
+    if call == "generate":
+        ids = engine.generate(PROMPT, seed=2, **KW).ids
+    else:
+        engine.close()
+    assert release.is_set()                           # it waited for the worker's step
+    worker.join(30)
+    assert len(outcome) == 1 and "superseded" in outcome[0]   # and the stream ended at its next step
+    if call == "generate":
+        assert ids == ref[2]
+
+
 def test_busy_timeout_refuses_clearly(engine, tiny_bundle):
     ref = _reference(tiny_bundle("gpt2"), [3], **KW)
     started, release = threading.Event(), threading.Event()
