@@ -7,14 +7,13 @@ from __future__ import annotations
 import argparse
 import math
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
 
 from . import contract
 from .config import SamplingConfig
-from .errors import BundleError, InvalidArgumentError
+from .errors import BundleError, InvalidArgumentError, OutputExistsError
 from .cli import at_least, parse_list
 from .measure import Setting, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
@@ -37,10 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def ensure_bundle(pair_dir: Path, log) -> Path:
-    """Export the pair once into <pair>/bundle; reuse it while it loads."""
-    from .bundle import load_bundle
+    """Export the pair once into <pair>/bundle; reuse it while it loads. A damaged one is exported
+    again, under --overwrite's rules: a file of the user's in that folder is named, never deleted."""
+    from .bundle import PARTIAL_MARKER, load_bundle
+    from .outputs import BUNDLE_FILES, foreign_names
 
     bundle = pair_dir / "bundle"
+    redo = f"move it away (or delete it) and run edgespec demo again, which exports the pair to {str(bundle)!r}"
+    if bundle.is_symlink() or (bundle.exists() and not bundle.is_dir()):
+        raise OutputExistsError(f"{str(bundle)!r} is a {'symbolic link' if bundle.is_symlink() else 'file'}, not the "
+                                f"pair's exported bundle: {redo}")
     if bundle.exists():
         try:
             load_bundle(bundle)
@@ -48,8 +53,14 @@ def ensure_bundle(pair_dir: Path, log) -> Path:
             return bundle
         except BundleError as exc:
             log(f"re-exporting: {exc}")
-            if not (bundle / contract.MANIFEST_NAME).exists():  # not a bundle any more: --overwrite would refuse it
-                shutil.rmtree(bundle)                             # (our own cache folder, so ours to remove)
+        if any(bundle.iterdir()) and not (bundle / contract.MANIFEST_NAME).is_file():
+            raise OutputExistsError(f"{str(bundle)!r} holds files but no {contract.MANIFEST_NAME}, so which of them an "
+                                    f"export wrote is unknown: {redo}")
+        extra = foreign_names(bundle, BUNDLE_FILES | {PARTIAL_MARKER})
+        if extra:
+            shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+            raise OutputExistsError(f"{str(bundle)!r} needs exporting again but also holds what the export did not "
+                                    f"write ({shown}); move that out of the folder and run edgespec demo again")
     from .export.pipeline import ExportOptions, export_bundle
 
     export_bundle(pair_dir / "target", bundle, draft=pair_dir / "draft",

@@ -101,7 +101,11 @@ def _bundle_graphs(folder: Path) -> set[str]:
         try:
             owned.update(onnx_external_data_locations(folder / name))
         except (OSError, EdgeSpecError):
-            pass  # (its data files are then refused as the user's: never deleted)
+            # A graph missing or damaged (the bundle being re-exported to repair it) names no data:
+            # its own are the files the exporter writes beside it under fixed names (static KV's
+            # <graph>.data, int8's <graph>.int8[.N].data, optimum's <graph>_data); others are refused.
+            made = (f"{name}.data", f"{name}.int8.data", f"{name}.int8.*.data", f"{name}_data")
+            owned.update(n for n in os.listdir(folder) if any(fnmatch.fnmatchcase(n, p) for p in made))
     return owned
 
 

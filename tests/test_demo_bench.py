@@ -62,6 +62,46 @@ def test_demo_end_to_end_on_tiny_preset(tmp_path, monkeypatch, capsys):
     assert (pair_dir / "bundle" / "target").is_dir() and foreign_names(pair_dir, PAIR_FILES) == []
 
 
+def test_demo_exports_a_damaged_bundle_again_but_never_deletes_a_users_file(tiny_checkpoints, tmp_path):
+    """demo removed a pair's bundle/ with everything in it once it lacked edgespec.json (a user's
+    files went with it), gave a traceback when bundle was a file or a link, and a truncated graph's
+    data file blocked the re-export for good."""
+    import shutil
+
+    from edgespec.demo import ensure_bundle
+    from edgespec.errors import OutputExistsError
+
+    pair = tmp_path / "pair"
+    for role, src in zip(("target", "draft"), tiny_checkpoints("llama")):
+        shutil.copytree(src, pair / role)
+    logged = []
+    bundle = ensure_bundle(pair, logged.append)
+    assert ensure_bundle(pair, logged.append) == bundle and "reusing the exported bundle" in logged[-1]
+    with open(bundle / "draft" / "model.onnx", "r+b") as fh:
+        fh.truncate(100)
+    del logged[:]
+    ensure_bundle(pair, logged.append)                              # damaged: exported again
+    assert logged[0].startswith("re-exporting: ") and "truncated" in logged[0]
+    assert ensure_bundle(pair, logged.append) and "reusing" in logged[-1]
+    (bundle / "draft" / "model.onnx").unlink()
+    (bundle / "target" / "results.csv").write_text("mine")
+    with pytest.raises(OutputExistsError, match=r"also holds what the export did not write \(target/results.csv\); move"):
+        ensure_bundle(pair, logged.append)
+    (bundle / "edgespec.json").unlink()
+    with pytest.raises(OutputExistsError, match="holds files but no edgespec.json.*move it away .or delete it."):
+        ensure_bundle(pair, logged.append)
+    assert (bundle / "target" / "results.csv").read_text() == "mine" and (bundle / "target" / "model.onnx").is_file()
+    shutil.rmtree(bundle)
+    bundle.write_text("a file")
+    with pytest.raises(OutputExistsError, match="is a file, not the pair's exported bundle: move it away"):
+        ensure_bundle(pair, logged.append)
+    bundle.unlink()
+    bundle.symlink_to(tmp_path)
+    with pytest.raises(OutputExistsError, match="is a symbolic link"):
+        ensure_bundle(pair, logged.append)
+    assert bundle.is_symlink() and tmp_path.is_dir()
+
+
 def test_bench_writes_table_json_and_plots(tiny_bundle, tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the cat\n---\na dog ran")

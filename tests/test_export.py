@@ -304,6 +304,27 @@ def test_overwrite_keeps_files_inside_a_bundles_model_folders(tiny_checkpoints, 
     assert (bundle / contract.MANIFEST_NAME).is_file()
 
 
+def test_overwrite_repairs_a_bundle_whose_graph_is_damaged_or_gone(tiny_checkpoints, tmp_path):
+    """A truncated or deleted model.onnx names no external data, so its model.onnx.data was called
+    the user's and `export --overwrite`, the fix every load error gives, refused the bundle."""
+    from edgespec.outputs import BUNDLE_FILES, foreign_names
+
+    target, draft = tiny_checkpoints("llama")
+    bundle = tmp_path / "bundle"
+    export_bundle(target, bundle, draft=draft, progress=None)
+    assert (bundle / "target" / "model.onnx.data").is_file()
+    (bundle / "draft" / "model.onnx").unlink()
+    with open(bundle / "target" / "model.onnx", "r+b") as fh:
+        fh.truncate(100)
+    (bundle / "target" / "model.onnx.backup.data").write_bytes(b"mine")   # not a name the exporter writes
+    assert foreign_names(bundle, BUNDLE_FILES) == ["target/model.onnx.backup.data"]
+    (bundle / "target" / "model.onnx.backup.data").unlink()
+    export_bundle(target, bundle, draft=draft, options=ExportOptions(overwrite=True), progress=None)
+    from edgespec.api import load
+
+    assert load(bundle, threads=1).generate([5, 9], max_new_tokens=3, temperature=0).ids
+
+
 def test_an_empty_output_folder_keeps_its_mode_and_a_mount_point_is_refused(tmp_path, monkeypatch, tiny_checkpoints):
     """An empty --out the user made was removed and replaced by the new folder: its mode went. A
     mount point cannot be renamed onto (EBUSY) nor into (EXDEV): it failed with a traceback after
@@ -364,17 +385,18 @@ def test_owned_names_at_any_depth(tmp_path):
         (root / "target" / "xla" / "prefill_16.bin").write_text("x")
     # an XLA artifact is the export's own where xla.json lists it; a graph's data file where the graph names it
     (old / "target" / "xla" / "prefill_32.bin").write_text("mine")
-    (old / "target" / "model.onnx.data").write_text("mine")  # (model.onnx here is no graph: it names nothing)
+    # (model.onnx here is no graph: it names nothing; only the data names the exporter writes beside it are its own)
+    (old / "target" / "model.onnx.mine.data").write_text("mine")
     (old / "target" / "encoder_model.onnx").mkdir()  # a folder of a graph's name is not the export's
     (old / "target" / "decoder_model.onnx").write_text("mine")  # nor a graph the manifest does not list
     (old / "target" / ".xla.partial-k3").mkdir()  # a killed XLA export's work folder is
     (old / "target" / ".xla.partial-k3" / "prefill_16.bin").write_text("x")
     assert foreign_names(old, BUNDLE_FILES) == ["target/decoder_model.onnx", "target/encoder_model.onnx",
-                                                "target/model.onnx.data", "target/xla/prefill_32.bin"]
+                                                "target/model.onnx.mine.data", "target/xla/prefill_32.bin"]
     (old / "target" / "encoder_model.onnx").rmdir()
     (old / "target" / "decoder_model.onnx").unlink()
     (old / "target" / "xla" / "prefill_32.bin").unlink()
-    (old / "target" / "model.onnx.data").unlink()
+    (old / "target" / "model.onnx.mine.data").unlink()
     (new / "target" / "vocab.bpe").write_text("new")
     (old / "target" / "vocab.bpe").write_text("old")   # not an owned name, but the new export writes it too
     (old / "target" / "xla" / "notes.md").write_text("mine")
