@@ -210,6 +210,22 @@ def is_complete(pair_dir: Path) -> bool:
     return (Path(pair_dir) / "pair.json").is_file()
 
 
+def _damage(pair_dir: Path) -> str | None:
+    """What is missing or unreadable in a finished pair's checkpoints (None: nothing), before it is
+    reused: a deleted draft/ or a truncated model.safetensors was reused, and failed only later."""
+    from .export.checkpoint import check_safetensors
+
+    for role in ("target", "draft"):
+        for name in ("config.json", "model.safetensors", "tokenizer.json"):
+            if not (pair_dir / role / name).is_file():
+                return f"{role}/{name} is missing"
+        try:
+            check_safetensors([pair_dir / role / "model.safetensors"], role)
+        except CheckpointError:
+            return f"{role}/model.safetensors is truncated or corrupt"
+    return None
+
+
 # ----------------------------------------------------------------------------- training
 
 def _lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -453,6 +469,10 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
             raise OutputExistsError(f"{dest / 'pair.json'} is not a pair's manifest ({str(meta)[:80]}); {fix}")
         if meta.get("identity") != ident:
             raise OutputExistsError(f"{dest} holds a pair trained with a different recipe (preset, corpus or seed); {fix}")
+        damage = _damage(dest)
+        if damage:
+            raise OutputExistsError(f"{dest} holds a damaged pair ({damage}); "
+                                    + ("delete it to retrain it" if out is None else "pass --overwrite to retrain it"))
         if progress:
             print(f"edgespec: reusing the trained pair in {dest}", file=sys.stderr)
         return True

@@ -188,6 +188,27 @@ def test_output_exists_and_overwrite(pair, corpus, tmp_path):
     assert not out.with_name(out.name + ".work").exists()
 
 
+def test_a_damaged_pair_is_not_reused(pair, corpus, tmp_path, monkeypatch):
+    """A pair whose draft/ was deleted, or whose weights were truncated, was reused and reported as
+    trained (`--print-path` printed it); it failed later, in the export."""
+    out = tmp_path / "pair"
+    shutil.copytree(pair, out)
+    shutil.rmtree(out / "draft")
+    with pytest.raises(OutputExistsError, match=r"holds a damaged pair \(draft/config.json is missing\); pass --overwrite"):
+        train_pair("tiny", corpus, out, progress=False)
+    assert train_pair("tiny", corpus, out, progress=False, overwrite=True) == out.absolute()
+    assert _weights(out) == _weights(pair)        # retrained, to the same weights
+    with open(out / "target" / "model.safetensors", "r+b") as fh:
+        fh.truncate(fh.seek(0, 2) // 2)
+    with pytest.raises(OutputExistsError, match=r"target/model.safetensors is truncated or corrupt\); pass --overwrite"):
+        train_pair("tiny", corpus, out, progress=False)
+    monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))   # the cached pair: deleting it retrains it
+    cached = default_pair_dir("tiny", corpus)
+    shutil.copytree(out, cached)
+    with pytest.raises(OutputExistsError, match=r"truncated or corrupt\); delete it to retrain it"):
+        train_pair("tiny", corpus, progress=False)
+
+
 def test_overwrite_without_out_is_an_error(capsys):
     assert main(["train-pair", "--preset", "tiny", "--overwrite"]) == 2   # it would reuse the cached pair silently
     assert "--overwrite replaces an --out folder" in capsys.readouterr().err
