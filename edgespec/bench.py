@@ -213,8 +213,29 @@ def run(args: argparse.Namespace) -> int:
         raise PromptTooLongError(f"{exc} ({fix})", exc.knob) from None
     rows = [r.summary() for r in results]
     others = others_cpu.cores()
-    print(format_table(rows))
     versus = adaptive_vs_static(results)
+    note = hardware_counters_note()
+    payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
+               "providers": providers, "threads": threads, "draft_threads": draft_threads,
+               "platform": args.platform, "verify_width": ob.verify_width,
+               "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
+               "spin": args.spin or "default", "huge_pages": not args.no_huge_pages, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
+               "other_cpu_load_cores": others,
+               "hardware_counters": note, "results": rows, "adaptive_vs_static": versus,
+               "seed": args.seed, "prompts_sha256": hashlib.sha256("\n---\n".join(texts).encode()).hexdigest(),
+               "edgespec": {"version": __version__, "commit": source_commit()},
+               "command": shlex.join(["edgespec", *getattr(args, "argv", ["bench"])])}
+    written = []
+    if args.out is not None:
+        # Written before anything is printed (`edgespec bench ... | head` closed stdout and lost the
+        # run). An earlier run's report goes first: interrupted while plotting (or without
+        # matplotlib), the folder held this run's bench.json beside the last run's plots.
+        for name in ("bench.json", *PLOT_FILES):
+            (args.out / name).unlink(missing_ok=True)
+        write_json(args.out / "bench.json", payload)
+        written = plot(rows, args.out)
+    print(format_table(rows))
     for v in versus:
         lo, hi = v["iqr"]
         iqr = f"[{lo:.3f}-{hi:.3f}]" if lo == lo and hi == hi else "[---]"  # one repeat: no spread
@@ -232,27 +253,9 @@ def run(args: argparse.Namespace) -> int:
         elif r["plain_step_share"] > 0.05:
             print(f"{r['setting']}: {r['plain_step_share']:.0%} of the tokens came from plain target steps ({why}; the "
                   "theory columns describe the drafted rounds)")
-    note = hardware_counters_note()
     print(note)
     warn_if_busy(others)  # after the table
-    payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
-               "providers": providers, "threads": threads, "draft_threads": draft_threads,
-               "platform": args.platform, "verify_width": ob.verify_width,
-               "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
-               "spin": args.spin or "default", "huge_pages": not args.no_huge_pages, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-               "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
-               "other_cpu_load_cores": others,
-               "hardware_counters": note, "results": rows, "adaptive_vs_static": versus,
-               "seed": args.seed, "prompts_sha256": hashlib.sha256("\n---\n".join(texts).encode()).hexdigest(),
-               "edgespec": {"version": __version__, "commit": source_commit()},
-               "command": shlex.join(["edgespec", *getattr(args, "argv", ["bench"])])}
     if args.out is not None:
-        # an earlier run's report goes first: interrupted while plotting (or without matplotlib),
-        # the folder held this run's bench.json beside the last run's plots
-        for name in ("bench.json", *PLOT_FILES):
-            (args.out / name).unlink(missing_ok=True)
-        write_json(args.out / "bench.json", payload)
-        written = plot(rows, args.out)
         print(f"wrote {args.out / 'bench.json'}" + "".join(f", {p}" for p in written or []))
         if written is None:
             print("plots skipped: matplotlib is not installed (pip install 'edgespec[bench]')", file=sys.stderr)

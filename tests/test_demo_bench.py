@@ -131,6 +131,24 @@ def test_bench_writes_table_json_and_plots(tiny_bundle, tmp_path, capsys):
     assert "adaptive gamma / best static gamma" in out
 
 
+def test_bench_writes_its_report_before_printing(tiny_bundle, tmp_path, monkeypatch):
+    """`edgespec bench ... --out DIR | head -1`: the table was printed first, so a reader that went
+    away (exit 141) took the whole run with it; bench.json was never written."""
+    import sys
+
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["bench", str(tiny_bundle("llama")), "--gammas", "2", "--temperatures", "0", "--repeats", "1",
+                 "--max-new-tokens", "4", "--quiet", "--out", str(tmp_path / "r")]) == 141
+    assert len(json.loads((tmp_path / "r" / "bench.json").read_text())["results"]) == 1
+
+
 def test_bench_lookahead_drafter_side_by_side(tiny_bundle, tmp_path, capsys, monkeypatch):
     """--draft model,lookahead: both drafters measured in one run; draft reads counted for both;
     a bad drafter name is a clean error."""
