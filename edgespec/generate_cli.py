@@ -10,7 +10,7 @@ import unicodedata
 
 from .config import DRAFTERS
 from .cli import parse_list
-from .errors import InvalidArgumentError
+from .errors import EdgeSpecError, InvalidArgumentError
 
 # --show-drafts marks: ANSI colors on a terminal, brackets otherwise.
 _ANSI = {"accepted": "\x1b[32m", "recovered": "\x1b[33m", "bonus": "\x1b[36m"}
@@ -242,9 +242,18 @@ def run(args: argparse.Namespace) -> int:
             _summary(out)
         return 0
     stream = engine.generate(prompt, stream=True, **kwargs)
-    for chunk in stream:
-        sys.stdout.write(chunk.text)
-        sys.stdout.flush()
+    shown = 0
+    try:
+        for chunk in stream:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            shown += len(chunk.ids)
+    except (EdgeSpecError, KeyboardInterrupt):
+        if shown:  # text already streamed: end its line, and say it is cut short (then the error)
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            print(f"[stopped after {shown} token{'s' * (shown != 1)}: the text above is incomplete]", file=sys.stderr)
+        raise
     sys.stdout.write("\n")
     _summary(stream.result)
     return 0

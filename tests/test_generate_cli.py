@@ -312,3 +312,28 @@ def test_prompt_file_and_stdin(tiny_bundle, tmp_path, capsys, monkeypatch):
         with pytest.raises(SystemExit) as exit_:  # argparse's own usage errors
             main(argv + extra)
         assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_an_error_after_text_was_streamed_ends_its_line_and_says_so(tiny_bundle, capsys, monkeypatch):
+    """A draft that produced NaN logits a few tokens in: the streamed text stayed on stdout with no
+    line break and nothing said it was cut short."""
+    from edgespec.errors import NonFiniteLogitsError
+    from edgespec.runtimes.onnx_backend import OnnxDecoderBackend
+
+    bundle = str(tiny_bundle("gpt2"))   # (exported before the patch)
+    real, calls = OnnxDecoderBackend.extend, []
+
+    def failing(self, ids):
+        calls.append(len(ids))
+        if len(calls) > 6:
+            raise NonFiniteLogitsError("the draft model produced NaN or +inf logits")
+        return real(self, ids)
+
+    monkeypatch.setattr(OnnxDecoderBackend, "extend", failing)
+    assert main(["generate", bundle, "--prompt", PROMPT, "--temperature", "0", "--gamma", "1",
+                 "--max-new-tokens", "20"]) == 2
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and out.strip()
+    lines = err.strip().splitlines()
+    assert lines[-2].startswith("[stopped after ") and lines[-2].endswith(" tokens: the text above is incomplete]"), err
+    assert lines[-1].startswith("edgespec generate: error: the draft model produced NaN")
