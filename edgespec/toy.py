@@ -97,25 +97,29 @@ def toy_pair(vocab_size: int = 32, order: int = 2, noise: float = 0.7, seed: int
 # ----------------------------------------------------------------------------- CLI: edgespec toy
 TOY_MAX_ENTRIES = 1 << 24   # 64 MB of float32 per model table
 TOY_MAX_TOKENS = 1_000_000
+TOY_MAX_NOISE = 1e6        # N(0, 1e6) stays far inside float32 (it overflowed to inf at 1e300)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--order", type=int, default=2, help="n-gram order of the toy models")
-    p.add_argument("--noise", type=float, default=0.7, help="draft = target table + N(0, noise) (lower: higher alpha)")
-    p.add_argument("--gamma", type=int, default=4)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=2000)
-    p.add_argument("--seed", type=at_least(0), default=0)
+    p.add_argument("--vocab", type=int, default=64, help="vocabulary size of the toy models (default 64)")
+    p.add_argument("--order", type=int, default=2, help="n-gram order of the toy models (default 2)")
+    p.add_argument("--noise", type=float, default=0.7,
+                   help=f"draft = target table + N(0, noise) (lower: higher alpha; 0 to {TOY_MAX_NOISE:g}, default 0.7)")
+    p.add_argument("--gamma", type=int, default=4, help="draft tokens per round (default 4)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
+    p.add_argument("--max-new-tokens", type=int, default=2000, help="tokens to generate, plain and speculative (default 2000)")
+    p.add_argument("--seed", type=at_least(0), default=0, help="seed of the tables and of the sampling (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.gamma < 1:
         raise InvalidArgumentError(f"--gamma must be an integer >= 1 (the toy drafts a fixed number per round); got {args.gamma}")
-    if not math.isfinite(args.noise) or args.noise < 0:
-        raise InvalidArgumentError(f"--noise must be a finite number >= 0 (0: the draft is the target); got {args.noise}")
+    if not math.isfinite(args.noise) or not 0 <= args.noise <= TOY_MAX_NOISE:
+        # (the tables are float32: 1e300 overflowed to inf, and the loop then blamed an exported model)
+        raise InvalidArgumentError(f"--noise must be a number in [0, {TOY_MAX_NOISE:g}] (0: the draft is the target; "
+                                   f"from about 10 up it is unrelated to the target); got {args.noise}")
     if args.vocab < 2 or args.order < 1:
         raise InvalidArgumentError(f"--vocab must be >= 2 and --order >= 1; got --vocab {args.vocab} --order {args.order}")
     # the models are tables of vocab ** order logits, held in memory (twice: target and draft)

@@ -66,6 +66,7 @@ def test_plan_and_toy_edge_cases(capsys):
     for argv, needle in ((["plan", "--alpha", "0.8", "--c", "0.05", "--c-hat", "-1"], "--c-hat must be"),
                          (["plan", "--alpha", "0.8", "--c", "inf"], "c must be a finite number"),
                          (["toy", "--noise", "-1"], "--noise must be"),
+                         (["toy", "--noise", "1e300"], "--noise must be a number in [0, 1e+06]"),  # (was inf in float32)
                          (["toy", "--gamma", "0"], "--gamma must be an integer >= 1")):
         assert main(argv) == 2
         err = capsys.readouterr().err
