@@ -10,13 +10,14 @@ import math
 import shlex
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
 from .backend import prompt_limit
 from .config import SamplingConfig
-from .errors import InvalidArgumentError, PromptTooLongError
+from .errors import EdgeSpecWarning, InvalidArgumentError, PromptTooLongError
 from .cli import at_least, folder, parse_list
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
@@ -133,10 +134,14 @@ def read_prompts(path: Path | None) -> list[str]:
             lines = []
         else:
             lines.append(line)
-    parts = [p for p in parts if p.strip()]
-    if not parts:
+    kept = [i for i, p in enumerate(parts) if p.strip()]
+    if not kept:
         raise InvalidArgumentError(f"--prompts {path} holds no prompt (prompts are separated by lines holding only ---)")
-    return parts
+    blank = sum(not p.strip() for p in parts[kept[0]:kept[-1]])  # (a --- before the first or after the last is no prompt)
+    if blank:
+        warnings.warn(f"--prompts {path}: {blank} blank prompt{'s' * (blank != 1)} between '---' lines skipped; "
+                      f"measuring the other {len(kept)}", EdgeSpecWarning, stacklevel=2)
+    return [parts[i] for i in kept]
 
 
 def run(args: argparse.Namespace) -> int:

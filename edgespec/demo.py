@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 4,auto)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=96, help="tokens per prompt (default 96)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="measured repeats after one warm-up (default 3)")
-    p.add_argument("--threads", type=at_least(0), default=1, help="ORT intra-op threads per model (default 1)")
+    p.add_argument("--threads", type=at_least(0), default=1,
+                   help="ONNX Runtime intra-op threads of the target (default 1; 0: ONNX Runtime's default); the draft runs on 1")
     p.add_argument("--seed", type=at_least(0), default=0,
                    help="seed of the pair's training and of the sampled runs (default 0)")
 
@@ -157,7 +158,9 @@ def run(args: argparse.Namespace) -> int:
     mach = machine_description()
     print(f"edgespec demo: {args.preset} pair in {pair_dir}")
     print(f"machine: {mach.get('cpu_model', mach['processor'])}, {mach['cpu_count']} cores, "
-          f"onnxruntime {mach.get('onnxruntime', '?')}, {args.threads} thread(s) per model")
+          f"onnxruntime {mach.get('onnxruntime', '?')}, target on "
+          + (f"{args.threads} thread{'s' * (args.threads != 1)}" if args.threads else "ONNX Runtime's default threads")
+          + ", draft on 1")
     def layers(n: int) -> str:
         return f"{n} layer" + ("s" if n != 1 else "")
 

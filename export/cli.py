@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise InvalidArgumentError("--format onnx+xla needs JAX: pip install 'edgespec[xla]'") from None
         vw = args.verify_width if args.verify_width is not None else 9
-        xla = dict(platforms=[p for p in (args.platforms or "cpu").replace(",", " ").split()], max_length=args.max_length,
+        xla = dict(platforms=args.platforms or ["cpu"], max_length=args.max_length,
                    verify_width=vw, prefill_buckets=args.prefill_buckets, max_source_length=args.max_source_length)
     manifest = export_bundle(target, args.out, draft=args.draft, options=options,
                              progress=None if args.quiet else _stderr_progress, xla=xla)

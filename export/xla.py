@@ -362,9 +362,19 @@ def validate_xla(checkpoint_dir: Path, folder: Path, seq2seq: bool, platforms: S
 
 def _parse_ints(text: str) -> list[int]:
     try:
-        return [int(x) for x in str(text).replace(",", " ").split()]
+        values = [int(x) for x in str(text).replace(",", " ").split()]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values:  # ("" fell back to the defaults without a word)
+        raise argparse.ArgumentTypeError("is empty; give at least one size (e.g. 16,64,256), or drop the option for the defaults")
+    return values
+
+
+def _parse_names(text: str) -> list[str]:
+    names = str(text).replace(",", " ").split()
+    if not names:  # ("" lowered for cpu without a word)
+        raise argparse.ArgumentTypeError(f"is empty; give at least one of {', '.join(PLATFORMS)}, or drop the option (cpu)")
+    return names
 
 
 def add_xla_arguments(parser: argparse.ArgumentParser, title: str = "XLA export (--format onnx+xla)") -> None:
@@ -376,7 +386,7 @@ def add_xla_arguments(parser: argparse.ArgumentParser, title: str = "XLA export 
         if flag not in have:
             g.add_argument(flag, **kw)
 
-    add("--platforms", default=None,
+    add("--platforms", type=_parse_names, default=None,
         help="comma-separated XLA platforms to lower for: cpu, cuda, rocm, tpu (default: cpu)")
     add("--max-length", type=int, default=None,
         help="static KV buffer length in tokens (prompt + generated); default min(model positions, 2048), T5: 512")
@@ -424,7 +434,7 @@ def run_xla_export(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     Also accepts ``args.checkpoint`` (a single model, written to ``<args.out>/xla``).
     Returns {role: manifest}.
     """
-    platforms = [p for p in str(getattr(args, "platforms", "cpu") or "cpu").replace(",", " ").split()]
+    platforms = getattr(args, "platforms", None) or ["cpu"]
     vw = getattr(args, "verify_width", None)
     if vw is None:
         vw = getattr(args, "max_gamma", 8) + 1 if getattr(args, "max_gamma", None) else 9

@@ -409,6 +409,16 @@ def test_bench_prompt_file_separators(tmp_path):
         f.write_text(text)
         with pytest.raises(InvalidArgumentError, match="holds no prompt"):
             read_prompts(f)
+    import warnings
+
+    from edgespec.errors import EdgeSpecWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # a --- before the first prompt or after the last: no warning (above too)
+        assert read_prompts(f.write_text("---\nfoo\n---\n\n") and f) == ["foo"]
+    f.write_text("foo\n---\n   \n---\nbar\n---\n\n---\nbaz\n---\n")  # blank prompts between others were dropped silently
+    with pytest.warns(EdgeSpecWarning, match=r"2 blank prompts between '---' lines skipped; measuring the other 3$"):
+        assert read_prompts(f) == ["foo", "bar", "baz"]
 
 
 def _exit_code(argv) -> int:

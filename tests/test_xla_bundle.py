@@ -183,6 +183,10 @@ def test_xla_options_are_checked_before_the_onnx_work(tiny_checkpoints, tmp_path
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err
         assert words in err and "Traceback" not in err, (extra, err)
+    for flag in ("--platforms", "--prefill-buckets"):   # empty: a usage error (it fell back to the defaults silently)
+        with pytest.raises(SystemExit) as exc:
+            main(base + [f"{flag}=", "--max-length", "32"])
+        assert exc.value.code == 2 and f"argument {flag}: is empty; give at least one" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
     with pytest.warns(Warning, match="no room for a draft token"):
         with pytest.raises(AssertionError, match="ONNX export started"):  # the warning comes before any work
