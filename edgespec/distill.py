@@ -153,7 +153,14 @@ def load_target(folder: Path):
 
     check_hf_folder(folder, "target")
     try:
-        tok = AutoTokenizer.from_pretrained(folder)
+        if (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
+            # tokenizer.json alone, as the exporter and the runtime read it: AutoTokenizer would add
+            # its class's default special tokens (<s>, </s>, <unk>) past the model's rows
+            from transformers import PreTrainedTokenizerFast
+
+            tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+        else:
+            tok = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:
         raise CheckpointError(f"cannot load the tokenizer of {folder}: {exc}; save a tokenizer.json with the target") from exc
     if not getattr(tok, "is_fast", False):
@@ -463,8 +470,10 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             torch.manual_seed(seed * 100 + 3)
             init_model = grow_layers(init_model, draft_size.layers)
 
-    special = {k: getattr(tok, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    special = {k: (int(v) if v is not None else None) for k, v in special.items()}
+    # the tokenizer's special ids, else the model config's (a tokenizer.json alone declares none)
+    special = {k: getattr(tok, k) if getattr(tok, k) is not None else getattr(tmodel.config, k, None)
+               for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    special = {k: (int(v) if isinstance(v, int) and v >= 0 else None) for k, v in special.items()}
     if special["pad_token_id"] is None:
         special["pad_token_id"] = special["eos_token_id"] if special["eos_token_id"] is not None else 0
     backend = tok.backend_tokenizer

@@ -136,6 +136,30 @@ def test_distill_with_a_single_eval_window(target, corpus, tmp_path):
     assert r["draft_params"] * 2 < _params(target)
 
 
+def test_distill_reads_a_tokenizer_json_alone_as_export_does(target, corpus, tmp_path, monkeypatch):
+    """Without tokenizer_config.json, AutoTokenizer added its class's default special tokens (323
+    "tokens" for a 320-row model) and distill refused a target that export takes; the special ids
+    come from the model's config then."""
+    from edgespec import corpus as corpus_mod
+
+    bare = tmp_path / "bare"
+    shutil.copytree(target, bare)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (bare / name).unlink()
+    seen = {}
+    real = corpus_mod.encode_docs
+
+    def spy(backend, docs, *, bos_id, eos_id, **kw):
+        seen.update(bos=bos_id, eos=eos_id)
+        return real(backend, docs, bos_id=bos_id, eos_id=eos_id, **kw)
+
+    monkeypatch.setattr(corpus_mod, "encode_docs", spy)   # (distill imports it when it runs)
+    distill(bare, tmp_path / "d", hidden=16, layers=1, heads=1, intermediate=32, corpus=corpus, steps=1,
+            batch_size=2, eval_windows=1, progress=False)
+    config = json.loads((target / "config.json").read_text())
+    assert seen == {"bos": config["bos_token_id"], "eos": config["eos_token_id"]} and None not in seen.values()
+
+
 def _params(folder: Path) -> int:
     import math
 
