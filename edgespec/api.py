@@ -721,10 +721,11 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
         raise InvalidArgumentError(f"load takes the bundle's folder (a path from `edgespec export --out`); got {bundle!r:.80}")
     root = Path(bundle)
     manifest = load_bundle(root, roles=None if load_draft else (contract.ROLE_TARGET,))  # plain decoding needs no draft files
-    unused = [n for n, given in (("draft_providers", draft_providers is not None), ("draft_threads", draft_threads != 1),
+    unused = [n for n, given in (("draft_providers (CLI --draft-provider)", draft_providers is not None),
+                                 ("draft_threads (CLI --draft-threads)", draft_threads != 1),
                                  ("draft_spinning", draft_spinning is not None)) if given]
     if (manifest.draft is None or not load_draft) and unused:  # (a script loading bundles of either kind alike)
-        why = ("load_draft=False loads no draft model" if manifest.draft is not None else
+        why = ("load_draft=False (CLI --no-draft, --draft ngram) loads no draft model" if manifest.draft is not None else
                f"{str(root)!r} holds no draft model (export it with --draft to speculate with one)")
         warnings.warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: {why}; drop "
                       f"{'it' if len(unused) == 1 else 'them'}", EdgeSpecWarning, stacklevel=2)

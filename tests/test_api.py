@@ -152,8 +152,8 @@ def test_ids_prompt_and_single_model_bundle(engines, tiny_bundle):
     assert eng.generate(ids, max_new_tokens=6, temperature=0).ids == eng.generate(PROMPT, max_new_tokens=6, temperature=0).ids
     no_draft = load(tiny_bundle("gpt2"), load_draft=False)
     assert not no_draft.has_draft
-    with pytest.warns(EdgeSpecWarning, match=r"^draft_providers, draft_threads have no effect: load_draft=False loads no "
-                                             r"draft model; drop them$"):
+    with pytest.warns(EdgeSpecWarning, match=r"^draft_providers \(CLI --draft-provider\), draft_threads \(CLI --draft-threads\) "
+                                             r"have no effect: load_draft=False \(CLI --no-draft, --draft ngram\) loads no draft model; drop them$"):
         load(tiny_bundle("gpt2"), load_draft=False, draft_threads=2, draft_providers=["cpu"])
     assert set(no_draft.generate(PROMPT, max_new_tokens=4, temperature=0).sources) == {"target"}
     for drafter in ("model", "lookahead", "hybrid"):  # asked for by name: not a silent plain run
