@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import importlib.util
 import os
 import re
 import signal
@@ -166,6 +167,13 @@ def run_script(main: Callable[[], int | None], name: str) -> int:
     except _Terminated:
         print(f"{name}: terminated", file=sys.stderr)
         return 143
+    except ModuleNotFoundError as exc:
+        extra = _missing_extra(exc)
+        if extra is None:
+            raise
+        print(f"{name}: error: this needs {exc.name.split('.')[0]}, which edgespec's '{extra}' extra installs: "
+              f"pip install 'edgespec[{extra}]'", file=sys.stderr)
+        return 2
     except BrokenPipeError:
         # the reader went away (`edgespec generate ... | head`): stop quietly, as Unix tools do
         try:
@@ -187,6 +195,24 @@ def run_script(main: Callable[[], int | None], name: str) -> int:
         if terminate:  # None: a handler set outside Python, which signal() cannot reinstall
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
             sys.unraisablehook = previous_hook
+
+
+# optional packages -> the extra that installs them (pyproject.toml); the runtime needs none of them
+_EXTRAS = {"jax": "xla", "jaxlib": "xla", "torch": "export", "transformers": "export", "optimum": "export",
+           "onnx": "export", "tqdm": "export", "safetensors": "export", "matplotlib": "bench"}
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """The extra to install for a missing optional package (None: another module, or one that is
+    installed but broken inside: that traceback is a bug to report, not an install to make)."""
+    root = (exc.name or "").split(".")[0]
+    if root not in _EXTRAS:
+        return None
+    try:
+        installed = importlib.util.find_spec(root) is not None
+    except (ValueError, ImportError):  # (sys.modules[root] is None: blocked, as missing)
+        installed = False
+    return None if installed else _EXTRAS[root]
 
 
 class _Terminated(BaseException):

@@ -171,6 +171,10 @@ class XlaBackend:
         folder = Path(model_dir)
         if (folder / "xla" / "xla.json").is_file():
             folder = folder / "xla"
+            # the same rule as ONNX external data: nothing read from outside the model folder
+            if folder.is_symlink() or Path(model_dir).resolve() not in folder.resolve().parents:
+                raise UnsafeFileError(f"{folder} is a symbolic link (or resolves outside {model_dir}); replace it with "
+                                      "the real folder (cp -rL) or re-export the model")
         mpath = folder / "xla.json"
         if not mpath.is_file():
             raise BundleError(f"{model_dir} has no xla/xla.json; export the model with "
@@ -223,6 +227,9 @@ class XlaBackend:
                 raise UnsafeFileError(f"{mpath} names a file outside the model folder ({name!r}); refusing to read it")
             if not p.is_file():
                 raise BundleError(f"{p} is missing; re-export the model")
+            if p.stat().st_nlink > 1:
+                raise UnsafeFileError(f"{p} is a hard link (shared with a file elsewhere); replace it with a plain copy "
+                                      "or re-export the model")
             return p
 
         exported: dict[str, dict[int, Any]] = {}

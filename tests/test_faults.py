@@ -606,3 +606,24 @@ def test_a_stale_unfinished_export_is_removed_only_if_it_holds_nothing_else(tmp_
             pipeline.check_output(out, [target], overwrite=True)
     finally:
         pipeline._LIVE_EXPORTS.discard("t-live")
+
+
+def test_a_missing_optional_package_names_the_extra_that_installs_it(capsys, monkeypatch):
+    """`generate --runtime xla` without the xla extra (and export, distill, train-pair without the
+    export one) ended in a ModuleNotFoundError traceback; a missing package of an extra is a
+    one-line error naming the pip command. A broken module inside an installed package stays a
+    traceback: that is a bug to report, not an install to make."""
+    from edgespec.cli import run_script
+
+    def needs(module):
+        return lambda: __import__(module)
+
+    for module, extra in (("jax", "xla"), ("torch", "export"), ("transformers.models", "export")):
+        monkeypatch.setitem(sys.modules, module.split(".")[0], None)   # as if not installed
+        assert run_script(needs(module), "edgespec x") == 2
+        err = capsys.readouterr().err
+        assert err == (f"edgespec x: error: this needs {module.split('.')[0]}, which edgespec's '{extra}' extra installs: "
+                       f"pip install 'edgespec[{extra}]'\n"), err
+    for module in ("numpy.no_such_module", "no_such_package"):
+        with pytest.raises(ModuleNotFoundError):
+            run_script(needs(module), "edgespec x")

@@ -254,6 +254,29 @@ def test_xla_artifacts_of_another_model_are_refused(xla_bundle, tmp_path):
     load(b)   # the ONNX path does not read xla/
 
 
+def test_xla_files_outside_the_model_folder_are_refused(xla_bundle, tmp_path):
+    """A symbolic link in place of a model's xla/ folder (or a hard-linked artifact) was read, where
+    the same link for one artifact or for ONNX external data is refused."""
+    import os
+    import shutil
+
+    from edgespec.errors import UnsafeFileError
+
+    b = tmp_path / "b"
+    shutil.copytree(xla_bundle("llama"), b)
+    shutil.move(b / "target" / "xla", tmp_path / "elsewhere")
+    (b / "target" / "xla").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UnsafeFileError, match=r"target/xla is a symbolic link .*cp -rL"):
+        load(b, runtime="xla")
+    (b / "target" / "xla").unlink()
+    shutil.copytree(tmp_path / "elsewhere", b / "target" / "xla")
+    os.link(b / "target" / "xla" / "weights.safetensors", tmp_path / "shared")
+    with pytest.raises(UnsafeFileError, match=r"weights.safetensors is a hard link"):
+        load(b, runtime="xla")
+    (tmp_path / "shared").unlink()
+    assert load(b, runtime="xla").generate([3, 9], max_new_tokens=2, temperature=0).ids
+
+
 def test_same_model_check_compares_what_both_configs_give(tmp_path):
     """save_pretrained fills a null (num_key_value_heads: null becomes the head count) and adds
     defaults: only values both configs give are compared (a null made a bundle's own checkpoint
