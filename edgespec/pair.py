@@ -501,7 +501,8 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
     created = not work.exists()
     work.mkdir(parents=True, exist_ok=True)
     try:
-        return _train_pair_locked(p, c, dest, work, ident, seed, progress, callback, t_start, overwrite)
+        return _train_pair_locked(p, c, dest, work, ident, seed, progress, callback, t_start, overwrite,
+                                  "delete it" if out is None else "pass --overwrite to discard it and train this one")
     except (KeyboardInterrupt, _Terminated):  # Ctrl-C or SIGTERM: the state is saved the same way
         if _has_saved_training(work):
             print(f"edgespec: training so far is saved in {work}; run the same command again to resume from it "
@@ -520,7 +521,7 @@ def _has_saved_training(work: Path) -> bool:
 
 
 def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, seed: int, progress: bool,
-                       callback, t_start: float, overwrite: bool = False) -> Path:
+                       callback, t_start: float, overwrite: bool = False, discard_fix: str = "delete it") -> Path:
     import numpy as np
     import torch
 
@@ -532,6 +533,10 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
             except ValueError:
                 same = False
             if not same:
+                if _has_saved_training(work) and not overwrite:  # (hours of another run: never discarded unasked)
+                    raise OutputExistsError(
+                        f"{work} holds the saved training of an interrupted run of another recipe (preset, corpus or "
+                        f"seed); run that command again to resume it, or {discard_fix}")
                 if progress:
                     print(f"edgespec: discarding stale work folder {work} (different recipe)", file=sys.stderr)
                 for child in work.iterdir():

@@ -146,6 +146,26 @@ def test_resume_after_interruption(pair, corpus, tmp_path, stop_role, stop_step,
     assert not work.exists()
 
 
+def test_another_recipes_saved_training_is_not_discarded_unasked(corpus, tmp_path):
+    """An interrupted run's saved training was deleted ("discarding stale work folder") when the
+    same --out was given another recipe (here a seed), without --overwrite."""
+    out = tmp_path / "p"
+    work = out.with_name("p.work")
+
+    def interrupt(role, step):
+        if step == 6:
+            raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        train_pair("tiny", corpus, out, progress=False, callback=interrupt)
+    assert (work / "target.state.pt").is_file()
+    with pytest.raises(OutputExistsError, match=r"p.work holds the saved training of an interrupted run of another "
+                                                r"recipe .*run that command again to resume it, or pass --overwrite"):
+        train_pair("tiny", corpus, out, seed=1, progress=False)
+    assert (work / "target.state.pt").is_file()
+    assert train_pair("tiny", corpus, out, seed=1, progress=False, overwrite=True) == out.absolute()
+
+
 def test_output_exists_and_overwrite(pair, corpus, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()   # an empty folder is written into, as export does (it was refused)
