@@ -65,6 +65,7 @@ def open_bundle(bundle: str | Path, runtime: str = "onnx", providers=("cpu",), t
 
 
 DEFAULT_MAX_NEW_TOKENS = 96  # per prompt; the demo's follow-up suggestion checks that it fits
+DEFAULT_GAMMAS = "1,2,4,6,8,auto"
 
 
 def _gamma(x: str):
@@ -90,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runtime", choices=("onnx", "xla"), default="onnx",
                    help="ONNX Runtime, or the bundle's XLA artifacts (export --format onnx+xla) (default onnx)")
     p.add_argument("--platform", default=None, help="XLA platform: cpu, cuda, rocm, tpu (--runtime xla; default: JAX's default)")
-    p.add_argument("--gammas", default="1,2,4,6,8,auto", help="comma list; 'auto' = adaptive (default 1,2,4,6,8,auto)")
+    p.add_argument("--gammas", default=None, help=f"comma list; 'auto' = adaptive (default {DEFAULT_GAMMAS}; with XLA "
+                                                  "artifacts, those their verify width takes)")
     p.add_argument("--temperatures", default="0,1", help="comma list; 0 = greedy (default 0,1)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
@@ -159,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     if 0.0 in temperatures and min(leniences) < 1:
         print("[note: lenience has no effect at temperature 0 (a draft is kept iff it is the target's argmax): T=0 runs "
               "at l=1 only]", file=sys.stderr)
-    grid = build_grid(parse_list(args.gammas, _gamma, "gammas"), temperatures, args.top_k, args.top_p, leniences,
+    grid = build_grid(parse_list(args.gammas or DEFAULT_GAMMAS, _gamma, "gammas"), temperatures, args.top_k, args.top_p, leniences,
                       parse_list(args.draft, str, "draft"))
     for s in grid:
         if s.draft not in DRAFTERS:
@@ -183,8 +185,19 @@ def run(args: argparse.Namespace) -> int:
                      platform=args.platform, huge_pages=not args.no_huge_pages)
     if lookahead and args.runtime == "onnx":  # XLA has no thread setting to change
         warn_if_no_spare_core(threads)
+    width = ob.verify_width
+    if width is not None and width < 2:
+        raise InvalidArgumentError(f"this bundle's XLA artifacts verify one token per call (verify_width={width}): no "
+                                   "room for a draft token, and bench measures speculative decoding; re-export with "
+                                   "`--verify-width 9`")
+    if args.gammas is None and width is not None:  # the default list, within what the artifacts verify
+        kept = [s for s in grid if s.gamma is None or s.gamma <= width - 1]
+        if len(kept) < len(grid):
+            print(f"[note: --gammas defaults to {','.join(str(g) for g in sorted({s.gamma for s in kept if s.gamma}))},"
+                  f"auto here: the XLA artifacts verify at most {width} tokens per call]", file=sys.stderr)
+        grid = kept
     # the adaptive settings' bound: 8, within what the XLA artifacts verify in one call
-    gamma_bound([s.gamma for s in grid if s.gamma is not None], ob.verify_width, "--gammas")
+    gamma_bound([s.gamma for s in grid if s.gamma is not None], width, "--gammas")
     max_gamma = gamma_bound([], ob.verify_width)
     if ob.draft is None and any(s.draft != "ngram" for s in grid):
         raise InvalidArgumentError(f"{args.bundle} has no draft model; export one with --draft, or use --draft ngram")
@@ -220,11 +233,14 @@ def run(args: argparse.Namespace) -> int:
     others = others_cpu.cores()
     versus = adaptive_vs_static(results)
     note = hardware_counters_note()
+    ort = args.runtime == "onnx"  # ONNX Runtime's settings; with XLA, the platform the artifacts ran on
     payload = {"bundle": str(args.bundle), "runtime": args.runtime, "machine": machine_description(),
-               "providers": providers, "threads": threads, "draft_threads": draft_threads,
-               "platform": args.platform, "verify_width": ob.verify_width,
-               "jax": __import__("jax").__version__ if args.runtime == "xla" else None,
-               "spin": args.spin or "default", "huge_pages": not args.no_huge_pages, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+               "providers": providers if ort else None, "threads": threads if ort else None,
+               "draft_threads": draft_threads if ort else None,
+               "platform": None if ort else ob.target.backend.platform, "verify_width": ob.verify_width,
+               "jax": None if ort else __import__("jax").__version__,
+               "spin": (args.spin or "default") if ort else None, "huge_pages": not args.no_huge_pages if ort else None,
+               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
                "other_cpu_load_cores": others,
                "hardware_counters": note, "results": rows, "adaptive_vs_static": versus,

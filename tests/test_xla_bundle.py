@@ -142,6 +142,9 @@ def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys, monkeypatch):
     assert len(warmed) == 2  # target and draft
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["verify_width"] == 6 and data["jax"]
+    # the platform it ran on; no ONNX Runtime settings, which an XLA run does not use (it recorded them)
+    assert data["platform"] == "cpu" and all(data[k] is None for k in ("providers", "threads", "draft_threads", "spin",
+                                                                        "huge_pages"))
     auto = next(r for r in data["results"] if r["gamma"] is None)
     assert 0 < auto["mean_gamma"] <= 5
     # bytes read: the artifacts' fp32 weights and, every call, the whole static KV buffer (they were
@@ -153,6 +156,11 @@ def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys, monkeypatch):
     assert t.parameter_bytes > 0 and all(r["target_bytes_per_token_plain"] == pytest.approx(t.parameter_bytes + kv * t.max_length)
                                          for r in data["results"])
     capsys.readouterr()
+    # the default --gammas (up to 8) within the artifacts' width: it failed, blaming --gammas, which was not given
+    assert main(argv + ["--out", str(tmp_path / "default")]) == 0
+    assert "--gammas defaults to 1,2,4,auto here: the XLA artifacts verify at most 6 tokens" in capsys.readouterr().err
+    rows = json.loads((tmp_path / "default" / "bench.json").read_text())["results"]
+    assert [r["gamma"] for r in rows] == [1, 2, 4, None]
     assert main(argv + ["--gammas", "2,6"]) == 2
     err = capsys.readouterr().err
     assert "verify_width=6, so gamma <= 5" in err and "Traceback" not in err
