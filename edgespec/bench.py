@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     if 0.0 in temperatures and min(leniences) < 1:
         print("[note: lenience has no effect at temperature 0 (a draft is kept iff it is the target's argmax): T=0 runs "
               "at l=1 only]", file=sys.stderr)
-    grid = build_grid(parse_list(args.gammas or DEFAULT_GAMMAS, _gamma, "gammas"), temperatures, args.top_k, args.top_p, leniences,
+    gammas = parse_list(DEFAULT_GAMMAS if args.gammas is None else args.gammas, _gamma, "gammas")  # ("" is refused)
+    grid = build_grid(gammas, temperatures, args.top_k, args.top_p, leniences,
                       parse_list(args.draft, str, "draft"))
     for s in grid:
         if s.draft not in DRAFTERS:
