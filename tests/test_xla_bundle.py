@@ -128,7 +128,7 @@ def test_generate_cli_xla_and_missing_artifacts(xla_bundle, tiny_bundle, capsys)
         load(xla_bundle("gpt2"), runtime="xla", providers="cuda")
 
 
-def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys, monkeypatch):
+def test_bench_runs_on_xla_runtime(xla_bundle, tiny_checkpoints, tmp_path, capsys, monkeypatch):
     """Adaptive gamma stays within the artifacts' verify width (6 here: gamma <= 5, below the default
     bound of 8); a static gamma beyond it is refused before any measurement, as generate does.
     Every artifact is compiled before the timed runs (a first call compiles, ~0.4 s a width)."""
@@ -156,6 +156,16 @@ def test_bench_runs_on_xla_runtime(xla_bundle, tmp_path, capsys, monkeypatch):
     assert t.parameter_bytes > 0 and all(r["target_bytes_per_token_plain"] == pytest.approx(t.parameter_bytes + kv * t.max_length)
                                          for r in data["results"])
     capsys.readouterr()
+    # artifacts that verify one token per call leave bench nothing to measure (it was told to "decode without the draft")
+    from edgespec.export.pipeline import export_bundle
+
+    narrow = tmp_path / "narrow"
+    t, d = tiny_checkpoints("llama")
+    with pytest.warns(Warning, match="no room for a draft token"):
+        export_bundle(t, narrow, draft=d, progress=None, xla=dict(platforms=["cpu"], max_length=16, verify_width=1))
+    assert main(["bench", str(narrow), "--runtime", "xla", "--repeats", "1", "--quiet"]) == 2
+    assert "verify_width=1): no room for a draft token, and bench measures speculative decoding; re-export with " \
+           "`--verify-width 9`" in capsys.readouterr().err
     # the default --gammas (up to 8) within the artifacts' width: it failed, blaming --gammas, which was not given
     assert main(argv + ["--out", str(tmp_path / "default")]) == 0
     assert "--gammas defaults to 1,2,4,auto here: the XLA artifacts verify at most 6 tokens" in capsys.readouterr().err
