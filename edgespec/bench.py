@@ -199,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         grid = kept
     # the adaptive settings' bound: 8, within what the XLA artifacts verify in one call
     gamma_bound([s.gamma for s in grid if s.gamma is not None], width, "--gammas")
-    max_gamma = gamma_bound([], ob.verify_width)
+    max_gamma = gamma_bound([], width)
     if ob.draft is None and any(s.draft != "ngram" for s in grid):
         raise InvalidArgumentError(f"{args.bundle} has no draft model; export one with --draft, or use --draft ngram")
     texts = read_prompts(args.prompts)
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
                "draft_threads": draft_threads if ort else None,
                "platform": None if ort else ob.target.backend.platform, "verify_width": ob.verify_width,
                "jax": None if ort else __import__("jax").__version__,
-               "spin": (args.spin or "default") if ort else None, "huge_pages": not args.no_huge_pages if ort else None,
+               "spin": (args.spin or "default") if ort else None, "huge_pages": (not args.no_huge_pages) if ort else None,
                "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
                "repeats": args.repeats, "warmup": 1, "seconds": time.perf_counter() - t0,
                "other_cpu_load_cores": others,

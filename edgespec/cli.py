@@ -168,10 +168,11 @@ def run_script(main: Callable[[], int | None], name: str) -> int:
         print(f"{name}: terminated", file=sys.stderr)
         return 143
     except ModuleNotFoundError as exc:
-        extra = _missing_extra(exc)
-        if extra is None:
+        missing = _missing_extra(exc)
+        if missing is None:
             raise
-        print(f"{name}: error: this needs {exc.name.split('.')[0]}, which edgespec's '{extra}' extra installs: "
+        package, extra = missing
+        print(f"{name}: error: this needs {package}, which edgespec's '{extra}' extra installs: "
               f"pip install 'edgespec[{extra}]'", file=sys.stderr)
         return 2
     except BrokenPipeError:
@@ -202,9 +203,9 @@ _EXTRAS = {"jax": "xla", "jaxlib": "xla", "torch": "export", "transformers": "ex
            "onnx": "export", "tqdm": "export", "safetensors": "export", "matplotlib": "bench"}
 
 
-def _missing_extra(exc: ModuleNotFoundError) -> str | None:
-    """The extra to install for a missing optional package (None: another module, or one that is
-    installed but broken inside: that traceback is a bug to report, not an install to make)."""
+def _missing_extra(exc: ModuleNotFoundError) -> tuple[str, str] | None:
+    """(package, extra to install) for a missing optional package (None: another module, or one that
+    is installed but broken inside: that traceback is a bug to report, not an install to make)."""
     root = (exc.name or "").split(".")[0]
     if root not in _EXTRAS:
         return None
@@ -212,7 +213,7 @@ def _missing_extra(exc: ModuleNotFoundError) -> str | None:
         installed = importlib.util.find_spec(root) is not None
     except (ValueError, ImportError):  # (sys.modules[root] is None: blocked, as missing)
         installed = False
-    return None if installed else _EXTRAS[root]
+    return None if installed else (root, _EXTRAS[root])
 
 
 class _Terminated(BaseException):

@@ -40,7 +40,7 @@ def ensure_bundle(pair_dir: Path, log) -> Path:
     """Export the pair once into <pair>/bundle; reuse it while it loads. A damaged one is exported
     again, under --overwrite's rules: a file of the user's in that folder is named, never deleted."""
     from .bundle import PARTIAL_MARKER, load_bundle
-    from .outputs import BUNDLE_FILES, foreign_names
+    from .outputs import BUNDLE_FILES, foreign_names, named
 
     bundle = pair_dir / "bundle"
     redo = f"move it away (or delete it) and run edgespec demo again, which exports the pair to {str(bundle)!r}"
@@ -59,9 +59,8 @@ def ensure_bundle(pair_dir: Path, log) -> Path:
                                     f"export wrote is unknown: {redo}")
         extra = foreign_names(bundle, BUNDLE_FILES | {PARTIAL_MARKER})
         if extra:
-            shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
             raise OutputExistsError(f"{str(bundle)!r} needs exporting again but also holds what the export did not "
-                                    f"write ({shown}); move that out of the folder and run edgespec demo again")
+                                    f"write ({named(extra)}); move that out of the folder and run edgespec demo again")
     from .export.pipeline import ExportOptions, export_bundle
 
     export_bundle(pair_dir / "target", bundle, draft=pair_dir / "draft",

@@ -471,9 +471,11 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             init_model = grow_layers(init_model, draft_size.layers)
 
     # the tokenizer's special ids, else the model config's (a tokenizer.json alone declares none)
-    special = {k: getattr(tok, k) if getattr(tok, k) is not None else getattr(tmodel.config, k, None)
-               for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    special = {k: (int(v) if isinstance(v, int) and v >= 0 else None) for k, v in special.items()}
+    special = {}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(tok, k)
+        v = getattr(tmodel.config, k, None) if v is None else v
+        special[k] = int(v) if isinstance(v, int) and v >= 0 else None
     if special["pad_token_id"] is None:
         special["pad_token_id"] = special["eos_token_id"] if special["eos_token_id"] is not None else 0
     backend = tok.backend_tokenizer

@@ -153,6 +153,11 @@ def foreign_names(folder: Path, owned: OwnedNames) -> list[str]:
     return out
 
 
+def named(names: list[str]) -> str:
+    """The first five of ``names`` for a message, and how many more there are."""
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
 def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
                       owned: OwnedNames | None = None) -> None:
     """``--overwrite`` replaces only an earlier output of the same command (a folder holding
@@ -167,9 +172,8 @@ def check_replaceable(dest: Path, marker: str, what: str, flag: str = "--out",
             f"{what}: choose another {flag} or empty the folder yourself")
     extra = foreign_names(dest, owned) if owned is not None and dest.is_dir() else []
     if extra:
-        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise OutputExistsError(
-            f"{flag} {str(dest)!r} is {what} but also holds what this command did not write ({shown}); --overwrite "
+            f"{flag} {str(dest)!r} is {what} but also holds what this command did not write ({named(extra)}); --overwrite "
             f"would delete that too: move it out of the folder, or choose another {flag}")
 
 

@@ -360,21 +360,22 @@ def validate_xla(checkpoint_dir: Path, folder: Path, seq2seq: bool, platforms: S
 # CLI hooks (``edgespec export --format onnx+xla``)
 # --------------------------------------------------------------------------------------------
 
-def _parse_ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in str(text).replace(",", " ").split()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values:  # ("" fell back to the defaults without a word)
-        raise argparse.ArgumentTypeError("is empty; give at least one size (e.g. 16,64,256), or drop the option for the defaults")
-    return values
+def _comma_list(cast, kind: str, empty_fix: str):
+    """An argparse type: a comma (or space) separated list of ``cast`` values, not empty (an empty
+    value fell back to the defaults without a word)."""
+    def parse(text: str) -> list:
+        try:
+            values = [cast(x) for x in str(text).replace(",", " ").split()]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind}, got {text!r}") from exc
+        if not values:
+            raise argparse.ArgumentTypeError(f"is empty; {empty_fix}")
+        return values
+    return parse
 
 
-def _parse_names(text: str) -> list[str]:
-    names = str(text).replace(",", " ").split()
-    if not names:  # ("" lowered for cpu without a word)
-        raise argparse.ArgumentTypeError(f"is empty; give at least one of {', '.join(PLATFORMS)}, or drop the option (cpu)")
-    return names
+_parse_ints = _comma_list(int, "integers", "give at least one size (e.g. 16,64,256), or drop the option for the defaults")
+_parse_names = _comma_list(str, "names", f"give at least one of {', '.join(PLATFORMS)}, or drop the option (cpu)")
 
 
 def add_xla_arguments(parser: argparse.ArgumentParser, title: str = "XLA export (--format onnx+xla)") -> None:
