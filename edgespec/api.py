@@ -488,46 +488,18 @@ class Engine:
         for name, flag in (("use_draft", use_draft), ("stream", stream)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise InvalidArgumentError(f"{name} must be True or False; got {flag!r:.40}")
-        if drafter is not None and drafter not in DRAFTERS:
-            raise InvalidArgumentError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))} or None; got {drafter!r}")
-        if drafter is not None and not use_draft:
-            raise InvalidArgumentError(f"use_draft=False decodes with the target alone, so drafter={drafter!r} has no "
-                                       "effect; drop one of them")
-        if drafter in ("model", "lookahead", "hybrid") and self.draft is None:
-            raise InvalidArgumentError(
-                f"drafter={drafter!r} drafts with the bundle's draft model, and this engine has none ("
-                + ("a single-model bundle: export one with --draft" if self.manifest.draft is None else "loaded with load_draft=False")
-                + "); use drafter='ngram' (prompt lookup, no model; CLI --draft ngram) or use_draft=False (CLI --no-draft)")
-        asked, drafter = drafter, drafter or "model"
-        # settings that would do nothing are refused, as the CLI refuses them
-        idle = [n for n, on in (("gamma", gamma is not None), ("lenience", lenience != 1)) if on]
-        has = "has" if len(idle) == 1 else "have"
-        if idle and not use_draft:
-            raise InvalidArgumentError(f"use_draft=False decodes with the target alone, so {' and '.join(idle)} {has} no "
-                                       f"effect; drop {' and '.join(idle)} or use_draft=False")
-        if idle and drafter == "model" and self.draft is None:
-            raise InvalidArgumentError(
-                "this engine has no draft model (" + ("a single-model bundle" if self.manifest.draft is None else
-                                                       "loaded with load_draft=False")
-                + f"), so {' and '.join(idle)} {has} no effect (plain decoding); draft by prompt lookup with "
-                f"drafter='ngram' (CLI --draft ngram), or drop {' and '.join(idle)}")
-        ngram = bool(use_draft) and drafter == "ngram"
-        use_draft = bool(use_draft) and self.draft is not None and not ngram  # the draft model takes part
+        drafter, asked, idle = self._resolve_drafter(drafter, bool(use_draft), gamma, lenience)
+        ngram = drafter == "ngram"
+        use_draft = drafter is not None and self.draft is not None and not ngram  # the draft model takes part
         fixed = [gamma] if isinstance(gamma, int) and not isinstance(gamma, bool) else []
         max_gamma = gamma_bound(fixed, self.verify_width() if use_draft or ngram else None)
-        stop_token_ids = () if stop_token_ids is None else stop_token_ids
-        if not isinstance(stop_token_ids, (str, bytes)) and isinstance(stop_token_ids, Iterable):
-            stop_token_ids = tuple(stop_token_ids)  # (an iterator is read once: by the check below, it was)
-        if not isinstance(stop_token_ids, tuple) or not all(
-                isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in stop_token_ids):
-            raise InvalidArgumentError(f"stop_token_ids must be a sequence of integer token ids; got {stop_token_ids!r:.80}")
         config = GenerationConfig(
             max_new_tokens=max_new_tokens,
             sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p),
             gamma=gamma,
             lenience=lenience,
             eos_token_ids=tuple(self.manifest.target.eos_token_ids),
-            stop_token_ids=tuple(int(s) for s in stop_token_ids),
+            stop_token_ids=self._stop_ids(stop_token_ids),
             max_gamma=max_gamma,
             vocab_size=self.vocab_size,
         )
@@ -538,11 +510,6 @@ class Engine:
             warnings.warn(f"{' and '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect at temperature 0: greedy "
                           f"decoding takes the target's argmax; drop {'it' if len(ignored) == 1 else 'them'} or set a temperature above 0",
                           EdgeSpecWarning, stacklevel=2)
-        never = [s for s in config.stop_token_ids if s >= self.vocab_size]
-        if never:
-            raise InvalidArgumentError(f"stop_token_ids (CLI --stop-token-ids) {never[:5]} can never be generated (this "
-                                       f"bundle's token ids are < {self.vocab_size}); pass ids of its tokenizer "
-                                       "(engine.encode(text))")
         ids = self._prompt_ids(prompt_or_ids)
         self._check_lengths(len(ids), config.max_new_tokens)
         if use_draft and len(ids) > prompt_limit(self.draft):
@@ -556,28 +523,8 @@ class Engine:
                           "with as many positions as the target", EdgeSpecWarning, stacklevel=2)
             use_draft = False
         rng = np.random.default_rng(seed)
-        draft = NgramDrafter() if ngram else self.draft if use_draft else None
-        if draft is not None and drafter == "lookahead":
-            if self._lookahead is None:  # one per engine: it owns the worker thread
-                self._lookahead = LookaheadDrafter(self.draft)
-                warn_if_no_spare_core(self._target_threads)
-            draft = self._lookahead
-        elif draft is not None and drafter == "hybrid":
-            if seed is not None and not config.sampling.greedy:
-                draft = HybridDrafter(self.draft)  # learns afresh, so that the seed fixes the text
-            else:
-                self._hybrid = self._hybrid or HybridDrafter(self.draft)  # keeps what it learned for later calls
-                draft = self._hybrid
-        policy = None
-        if gamma is None and draft is not None and seed is not None and not config.sampling.greedy:
-            # Measured times vary from run to run, and with them the draft lengths and so which
-            # uniform decides which token: a reproducible run prices calls from the bundle instead.
-            policy = AdaptiveGamma(max_gamma, fixed_costs=(0.0 if ngram else self._draft_cost(), VERIFY_SLOPE))
-        elif gamma is None and draft is not None:
-            key = (config.sampling, lenience, drafter, max_gamma)
-            if key not in self._policies and len(self._policies) >= _MAX_POLICIES:
-                self._policies.pop(next(iter(self._policies)))  # the oldest setting
-            policy = self._policies.setdefault(key, AdaptiveGamma(max_gamma))
+        draft = NgramDrafter() if ngram else self._model_drafter(drafter, seed, config) if use_draft else None
+        policy = self._policy(draft, config, drafter, seed) if gamma is None else None
         blocks = iter_generate(self.target, ids, config, rng, draft=draft, policy=policy)
         detok = _Detokenizer(self.tokenizer) if stream else None
 
@@ -591,6 +538,76 @@ class Engine:
         for _ in stream_obj:
             pass
         return stream_obj.result
+
+    def _resolve_drafter(self, drafter: str | None, use_draft: bool, gamma: int | None,
+                         lenience: float) -> tuple[str | None, str | None, list[str]]:
+        """(the drafter that runs, None for plain decoding; the one asked for; the drafting settings
+        given). Settings that would do nothing are refused, as the CLI refuses them."""
+        if drafter is not None and drafter not in DRAFTERS:
+            raise InvalidArgumentError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))} or None; got {drafter!r}")
+        if drafter is not None and not use_draft:
+            raise InvalidArgumentError(f"use_draft=False decodes with the target alone, so drafter={drafter!r} has no "
+                                       "effect; drop one of them")
+        if drafter in ("model", "lookahead", "hybrid") and self.draft is None:
+            raise InvalidArgumentError(
+                f"drafter={drafter!r} drafts with the bundle's draft model, and this engine has none ("
+                + ("a single-model bundle: export one with --draft" if self.manifest.draft is None else "loaded with load_draft=False")
+                + "); use drafter='ngram' (prompt lookup, no model; CLI --draft ngram) or use_draft=False (CLI --no-draft)")
+        asked, runs = drafter, (drafter or "model") if use_draft else None
+        idle = [n for n, on in (("gamma", gamma is not None), ("lenience", lenience != 1)) if on]
+        has = "has" if len(idle) == 1 else "have"
+        if idle and not use_draft:
+            raise InvalidArgumentError(f"use_draft=False decodes with the target alone, so {' and '.join(idle)} {has} no "
+                                       f"effect; drop {' and '.join(idle)} or use_draft=False")
+        if idle and runs == "model" and self.draft is None:
+            raise InvalidArgumentError(
+                "this engine has no draft model (" + ("a single-model bundle" if self.manifest.draft is None else
+                                                       "loaded with load_draft=False")
+                + f"), so {' and '.join(idle)} {has} no effect (plain decoding); draft by prompt lookup with "
+                f"drafter='ngram' (CLI --draft ngram), or drop {' and '.join(idle)}")
+        return runs, asked, idle
+
+    def _stop_ids(self, stop_token_ids) -> tuple[int, ...]:
+        stop_token_ids = () if stop_token_ids is None else stop_token_ids
+        if not isinstance(stop_token_ids, (str, bytes)) and isinstance(stop_token_ids, Iterable):
+            stop_token_ids = tuple(stop_token_ids)  # (an iterator is read once: by the check below, it was)
+        if not isinstance(stop_token_ids, tuple) or not all(
+                isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in stop_token_ids):
+            raise InvalidArgumentError(f"stop_token_ids must be a sequence of integer token ids; got {stop_token_ids!r:.80}")
+        never = [int(s) for s in stop_token_ids if s >= self.vocab_size]
+        if never:
+            raise InvalidArgumentError(f"stop_token_ids (CLI --stop-token-ids) {never[:5]} can never be generated (this "
+                                       f"bundle's token ids are < {self.vocab_size}); pass ids of its tokenizer "
+                                       "(engine.encode(text))")
+        return tuple(int(s) for s in stop_token_ids)
+
+    def _model_drafter(self, drafter: str, seed: int | None, config: GenerationConfig):
+        """The draft model, or a drafter built on it (lookahead, hybrid)."""
+        if drafter == "lookahead":
+            if self._lookahead is None:  # one per engine: it owns the worker thread
+                self._lookahead = LookaheadDrafter(self.draft)
+                warn_if_no_spare_core(self._target_threads)
+            return self._lookahead
+        if drafter == "hybrid":
+            if seed is not None and not config.sampling.greedy:
+                return HybridDrafter(self.draft)  # learns afresh, so that the seed fixes the text
+            self._hybrid = self._hybrid or HybridDrafter(self.draft)  # keeps what it learned for later calls
+            return self._hybrid
+        return self.draft
+
+    def _policy(self, draft, config: GenerationConfig, drafter: str | None, seed: int | None) -> AdaptiveGamma | None:
+        """The adaptive draft-length policy of a call without a gamma (None: plain decoding)."""
+        if draft is None:
+            return None
+        if seed is not None and not config.sampling.greedy:
+            # Measured times vary from run to run, and with them the draft lengths and so which
+            # uniform decides which token: a reproducible run prices calls from the bundle instead.
+            cost = 0.0 if isinstance(draft, NgramDrafter) else self._draft_cost()
+            return AdaptiveGamma(config.max_gamma, fixed_costs=(cost, VERIFY_SLOPE))
+        key = (config.sampling, config.lenience, drafter, config.max_gamma)
+        if key not in self._policies and len(self._policies) >= _MAX_POLICIES:
+            self._policies.pop(next(iter(self._policies)))  # the oldest setting
+        return self._policies.setdefault(key, AdaptiveGamma(config.max_gamma))
 
     def close(self) -> None:
         """Forget the cached context and give the KV cache's memory back (after calls in other
