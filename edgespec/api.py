@@ -673,7 +673,7 @@ def warn_if_no_spare_core(threads: int | None) -> None:
             f"{f'{threads} threads ({cores} cores)' if threads > cores else f'all {cores} cores'}: the draft's thread competes with the target's (11% "
             f"slower than the model drafter on the 2-core benchmark machine); give the target fewer threads "
             f"(threads={max(1, cores - 1)}, CLI --threads {max(1, cores - 1)}) or use the model drafter (drafter='model', "
-            "CLI --draft model)", EdgeSpecWarning, stacklevel=3)
+            "CLI --draft model)", EdgeSpecWarning, stacklevel=2)
 
 
 def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,
@@ -697,10 +697,54 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     onnx+xla``) on ``platform`` (cpu, cuda, rocm, tpu; default: JAX's default device); the ONNX Runtime
     settings (providers, threads, spinning, huge_pages) are refused with it, as ``platform`` is without it.
     """
-    from tokenizers import Tokenizer
+    from .runtimes.onnx_backend import SessionConfig, resolve_providers
 
-    from .export.tokenizer_check import tokenizer_size
-    from .runtimes.onnx_backend import PROVIDER_ALIASES, SessionConfig, open_backend, provider_names, resolve_providers
+    threads, draft_threads = _check_load_options(providers, draft_providers, threads, draft_threads, spinning,
+                                                 draft_spinning, load_draft, runtime, platform, huge_pages)
+    if isinstance(bundle, bytes) or not isinstance(bundle, (str, os.PathLike)) or not str(bundle):
+        raise InvalidArgumentError(f"load takes the bundle's folder (a path from `edgespec export --out`); got {bundle!r:.80}")
+    root = Path(bundle)
+    manifest = load_bundle(root, roles=None if load_draft else (contract.ROLE_TARGET,))  # plain decoding needs no draft files
+    unused = [n for n, given in (("draft_providers (CLI --draft-provider)", draft_providers is not None),
+                                 ("draft_threads (CLI --draft-threads)", draft_threads != 1),
+                                 ("draft_spinning", draft_spinning is not None)) if given]
+    if (manifest.draft is None or not load_draft) and unused:  # (a script loading bundles of either kind alike)
+        why = ("load_draft=False (CLI --no-draft, --draft ngram) loads no draft model" if manifest.draft is not None else
+               f"{str(root)!r} holds no draft model (export it with --draft to speculate with one)")
+        warnings.warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: {why}; drop "
+                      f"{'it' if len(unused) == 1 else 'them'}", EdgeSpecWarning, stacklevel=2)
+    if runtime == "xla":  # the ONNX Runtime session settings below do not apply
+        providers, draft_providers = ("cpu",), None
+    target_cfg = SessionConfig(providers=resolve_providers(providers), intra_op_threads=threads, spinning=spinning,
+                               huge_pages=huge_pages)
+    draft_cfg = SessionConfig(
+        providers=resolve_providers(providers if draft_providers is None else draft_providers),
+        intra_op_threads=threads if draft_threads is None else draft_threads,  # None: same as the target
+        spinning=spinning if draft_spinning is None else draft_spinning,
+        huge_pages=huge_pages,
+    )
+    if runtime == "onnx":
+        _warn_oversubscribed(target_cfg, draft_cfg if load_draft and manifest.draft and draft_threads is not None else None)
+    tm = manifest.target
+    tokenizer = _load_tokenizer(root, manifest, load_draft)
+    open_model = _model_opener(root, manifest, runtime, platform)
+    if load_draft and manifest.draft is not None:
+        _check_same_tokenizer(root, manifest)
+    target = open_model(tm, target_cfg)
+    draft = open_model(manifest.draft, draft_cfg) if load_draft and manifest.draft is not None else None
+    if tm.quantization == contract.QUANT_DYNAMIC_INT8 and runtime == "onnx":  # any drafter, ngram included
+        warnings.warn(
+            f"{root}: the target was quantized with dynamic int8 (edgespec before 2026-11-30), whose logits at a "
+            "position depend on the other tokens in the same call, so speculative output (draft model or ngram) is "
+            "not distributed exactly as plain decoding's; re-export the bundle (`edgespec export --quantize-target "
+            "int8` now writes a causal per-token int8 target)", EdgeSpecWarning, stacklevel=2)
+    return Engine(root, manifest, target, draft, tokenizer, target_threads=threads if runtime == "onnx" else None)
+
+
+def _check_load_options(providers, draft_providers, threads, draft_threads, spinning, draft_spinning, load_draft,
+                        runtime, platform, huge_pages) -> tuple[int | None, int | None]:
+    """load()'s settings, checked before any file is read; returns (threads, draft_threads) as ints."""
+    from .runtimes.onnx_backend import PROVIDER_ALIASES, provider_names
 
     threads, draft_threads = as_int(threads), as_int(draft_threads)
     for name, v in (("threads", threads), ("draft_threads", draft_threads)):
@@ -734,36 +778,25 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     if runtime == "onnx" and platform is not None:
         raise InvalidArgumentError("platform= picks the XLA device (runtime='xla'); with ONNX Runtime choose "
                                    "providers= instead, or drop platform")
-    if isinstance(bundle, bytes) or not isinstance(bundle, (str, os.PathLike)) or not str(bundle):
-        raise InvalidArgumentError(f"load takes the bundle's folder (a path from `edgespec export --out`); got {bundle!r:.80}")
-    root = Path(bundle)
-    manifest = load_bundle(root, roles=None if load_draft else (contract.ROLE_TARGET,))  # plain decoding needs no draft files
-    unused = [n for n, given in (("draft_providers (CLI --draft-provider)", draft_providers is not None),
-                                 ("draft_threads (CLI --draft-threads)", draft_threads != 1),
-                                 ("draft_spinning", draft_spinning is not None)) if given]
-    if (manifest.draft is None or not load_draft) and unused:  # (a script loading bundles of either kind alike)
-        why = ("load_draft=False (CLI --no-draft, --draft ngram) loads no draft model" if manifest.draft is not None else
-               f"{str(root)!r} holds no draft model (export it with --draft to speculate with one)")
-        warnings.warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: {why}; drop "
-                      f"{'it' if len(unused) == 1 else 'them'}", EdgeSpecWarning, stacklevel=2)
-    if runtime == "xla":  # the ONNX Runtime session settings below do not apply
-        providers, draft_providers = ("cpu",), None
-    target_cfg = SessionConfig(providers=resolve_providers(providers), intra_op_threads=threads, spinning=spinning,
-                               huge_pages=huge_pages)
-    draft_cfg = SessionConfig(
-        providers=resolve_providers(providers if draft_providers is None else draft_providers),
-        intra_op_threads=threads if draft_threads is None else draft_threads,  # None: same as the target
-        spinning=spinning if draft_spinning is None else draft_spinning,
-        huge_pages=huge_pages,
-    )
+    return threads, draft_threads
+
+
+def _warn_oversubscribed(target_cfg, draft_cfg) -> None:
     cores = usable_cores()
-    for name, cfg in (("threads", target_cfg),
-                      ("draft_threads", draft_cfg if load_draft and manifest.draft and draft_threads is not None else None)):
-        n = cfg.intra_op_threads if cfg is not None and runtime == "onnx" else 0
+    for name, cfg in (("threads", target_cfg), ("draft_threads", draft_cfg)):
+        n = cfg.intra_op_threads if cfg is not None else 0
         if n > cores:  # (a trial: threads=500 on 2 cores loaded in 10 s and generated 20 tokens in 4.5 s, not 10 ms)
             warnings.warn(f"{name}={n} (CLI --{name.replace('_', '-')}) on a machine where this process may use {cores} "
                           f"cores: ONNX Runtime starts {n} threads that take turns on them, slower than {cores} threads; use "
-                          f"at most {cores} (0: ONNX Runtime's choice)", EdgeSpecWarning, stacklevel=2)
+                          f"at most {cores} (0: ONNX Runtime's choice)", EdgeSpecWarning, stacklevel=3)
+
+
+def _load_tokenizer(root: Path, manifest: BundleManifest, load_draft: bool):
+    """The target's tokenizer.json, checked against the manifest's token counts."""
+    from tokenizers import Tokenizer
+
+    from .export.tokenizer_check import tokenizer_size
+
     tm = manifest.target
     tok_path = root / tm.path / contract.TOKENIZER_FILE
     try:
@@ -778,35 +811,28 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
             raise BundleError(f"{root}: the manifest says the {m.path} tokenizer has {m.tokenizer_size} ids; the target's "
                               f"tokenizer ({tok_path}{shared}) has {size}: the manifest was edited or the files mixed: "
                               "re-export the bundle")
+    return tokenizer
+
+
+def _model_opener(root: Path, manifest: BundleManifest, runtime: str, platform: str | None):
+    """A function (model manifest, SessionConfig) -> backend of the chosen runtime."""
     if runtime == "onnx":
-        def open_model(m, cfg):
-            return open_backend(root / m.path, m, cfg)
-    else:  # "xla" (checked above)
-        from .runtimes.xla_backend import XlaBackend
+        from .runtimes.onnx_backend import open_backend
 
-        if "xla" not in manifest.formats:
-            raise BundleError(f"{root} has no XLA artifacts; re-export it with `edgespec export ... --format onnx+xla`")
+        return lambda m, cfg: open_backend(root / m.path, m, cfg)
+    from .runtimes.xla_backend import XlaBackend  # "xla" (checked by _check_load_options)
 
-        def open_model(m, cfg):
-            _check_xla_is_the_onnx_model(root / m.path)
-            be = XlaBackend.from_dir(root / m.path, platform=platform)
-            if be.vocab_size != m.vocab_size:  # the ONNX backends check their logits' shape the same way
-                raise BundleError(f"{root / m.path}: the XLA artifacts give {be.vocab_size} logits per position, the "
-                                  f"manifest says vocab_size {m.vocab_size}; re-export the bundle")
-            return be
-    draft = None
-    if load_draft and manifest.draft is not None:
-        _check_same_tokenizer(root, manifest)
-    target = open_model(tm, target_cfg)
-    if load_draft and manifest.draft is not None:
-        draft = open_model(manifest.draft, draft_cfg)
-    if tm.quantization == contract.QUANT_DYNAMIC_INT8 and runtime == "onnx":  # any drafter, ngram included
-        warnings.warn(
-            f"{root}: the target was quantized with dynamic int8 (edgespec before 2026-11-30), whose logits at a "
-            "position depend on the other tokens in the same call, so speculative output (draft model or ngram) is "
-            "not distributed exactly as plain decoding's; re-export the bundle (`edgespec export --quantize-target "
-            "int8` now writes a causal per-token int8 target)", EdgeSpecWarning, stacklevel=2)
-    return Engine(root, manifest, target, draft, tokenizer, target_threads=threads if runtime == "onnx" else None)
+    if "xla" not in manifest.formats:
+        raise BundleError(f"{root} has no XLA artifacts; re-export it with `edgespec export ... --format onnx+xla`")
+
+    def open_model(m, cfg):
+        _check_xla_is_the_onnx_model(root / m.path)
+        be = XlaBackend.from_dir(root / m.path, platform=platform)
+        if be.vocab_size != m.vocab_size:  # the ONNX backends check their logits' shape the same way
+            raise BundleError(f"{root / m.path}: the XLA artifacts give {be.vocab_size} logits per position, the "
+                              f"manifest says vocab_size {m.vocab_size}; re-export the bundle")
+        return be
+    return open_model
 
 
 def _check_text(text) -> None:

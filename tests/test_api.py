@@ -342,6 +342,7 @@ def test_public_names_and_thread_oversubscription(tiny_bundle):
     with pytest.warns(edgespec.EdgeSpecWarning) as seen:  # draft_threads=None (as the target's) is not warned twice
         edgespec.load(tiny_bundle("llama"), threads=cores + 1, draft_threads=None)
     assert len(seen) == 1
+    assert seen[0].filename == __file__  # the warning names the caller's line, not edgespec's
     assert isinstance(eng, edgespec.Engine)
     out = eng.generate(PROMPT, max_new_tokens=3, temperature=0)
     assert isinstance(out, edgespec.GenerationOutput)
