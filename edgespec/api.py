@@ -586,7 +586,7 @@ class Engine:
         if drafter == "lookahead":
             if self._lookahead is None:  # one per engine: it owns the worker thread
                 self._lookahead = LookaheadDrafter(self.draft)
-                warn_if_no_spare_core(self._target_threads)
+                warn_if_no_spare_core(self._target_threads, stacklevel=4)  # (the caller of generate)
             return self._lookahead
         if drafter == "hybrid":
             if seed is not None and not config.sampling.greedy:
@@ -662,7 +662,7 @@ def default_target_threads(lookahead: bool) -> int:
     return max(1, usable_cores() - 1) if lookahead else 0
 
 
-def warn_if_no_spare_core(threads: int | None) -> None:
+def warn_if_no_spare_core(threads: int | None, stacklevel: int = 2) -> None:
     """The lookahead drafter's worker needs a core the target leaves free."""
     if threads is None:
         return
@@ -673,7 +673,7 @@ def warn_if_no_spare_core(threads: int | None) -> None:
             f"{f'{threads} threads ({cores} cores)' if threads > cores else f'all {cores} cores'}: the draft's thread competes with the target's (11% "
             f"slower than the model drafter on the 2-core benchmark machine); give the target fewer threads "
             f"(threads={max(1, cores - 1)}, CLI --threads {max(1, cores - 1)}) or use the model drafter (drafter='model', "
-            "CLI --draft model)", EdgeSpecWarning, stacklevel=2)
+            "CLI --draft model)", EdgeSpecWarning, stacklevel=stacklevel)
 
 
 def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,

@@ -86,8 +86,9 @@ def test_lookahead_warns_when_the_target_leaves_no_core(tiny_bundle, capsys):
 
     bundle = tiny_bundle("llama")
     cores = len(os.sched_getaffinity(0))
-    with pytest.warns(EdgeSpecWarning, match=f"on all {cores} cores: the draft's thread competes with the target"):
+    with pytest.warns(EdgeSpecWarning, match=f"on all {cores} cores: the draft's thread competes with the target") as seen:
         load(bundle, threads=0).generate([5, 9], max_new_tokens=4, drafter="lookahead")
+    assert seen[0].filename == __file__  # the warning names the caller's line
     from edgespec.api import warn_if_no_spare_core
 
     with pytest.warns(EdgeSpecWarning, match=rf"on {cores + 3} threads \({cores} cores\): "):  # (said "5 of 2 cores")
