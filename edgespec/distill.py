@@ -393,6 +393,57 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     return draft
 
 
+def _check_training_args(mode, steps, batch_size, eval_windows, pool_size, seed, lr, generated) -> None:
+    from .pair import _check_int
+
+    if mode not in MODES:
+        raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
+    for name, v in (("steps", steps), ("batch_size", batch_size), ("eval_windows", eval_windows),
+                    ("pool_size", pool_size)):
+        _check_int(name, v)
+    _check_int("seed", seed, 0)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise InvalidArgumentError(f"lr (CLI --lr) must be a finite positive number; got {lr!r}")
+    if isinstance(generated, bool) or not isinstance(generated, (int, float)) or not 0 <= generated <= 1:
+        raise InvalidArgumentError(f"generated (CLI --generated) must be a fraction in [0, 1]; got {generated!r}")
+    if 0 < generated and _generated_rows(batch_size, generated) == 0:
+        raise InvalidArgumentError(f"generated (CLI --generated) {generated:g} of a batch of {batch_size} rows is no row; "
+                                   f"give at least {1 / batch_size:.3g} (one row) or a larger batch_size (--batch-size)")
+
+
+def _special_ids(tok, config) -> dict[str, int | None]:
+    # the tokenizer's special ids, else the model config's (a tokenizer.json alone declares none)
+    special = {}
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        v = getattr(tok, k)
+        v = getattr(config, k, None) if v is None else v
+        special[k] = int(v) if isinstance(v, int) and v >= 0 else None
+    if special["pad_token_id"] is None:
+        special["pad_token_id"] = special["eos_token_id"] if special["eos_token_id"] is not None else 0
+    return special
+
+
+def _write_draft(draft, report: dict, target_dir: Path, out_dir: Path, overwrite: bool) -> None:
+    """The draft checkpoint, the target's tokenizer files and distill.json, swapped into ``out_dir`` whole."""
+    from .pair import _write_json_atomic
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        draft.save_pretrained(tmp, safe_serialization=True)
+        for name in TOKENIZER_FILES:
+            if (target_dir / name).is_file():
+                shutil.copyfile(target_dir / name, tmp / name)
+        _write_json_atomic(report, tmp / "distill.json")
+        usual_permissions(tmp, recursive=True)  # safetensors writes the weights 0600
+        swap_into_place(tmp, out_dir, overwrite, "distill.json", "a distilled draft", owned=DRAFT_FILES)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | None = None, layers: int | None = None,
             hidden: int | None = None, heads: int | None = None, intermediate: int | None = None,
             corpus: Sequence[os.PathLike | str] | None = None, steps: int = 300, batch_size: int = 16,
@@ -408,23 +459,11 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     ``init`` continues a draft checkpoint in its own shape; ``layers`` above its count grows it first
     (:func:`grow_layers`)."""
     from .corpus import encode_docs, load_documents
-    from .pair import _batch, _check_int, _write_json_atomic, heldout_windows, new_llama, validation_loss
+    from .pair import _batch, _check_int, heldout_windows, new_llama, validation_loss
 
     t0 = time.perf_counter()
     target_dir, out_dir = Path(target).expanduser(), Path(out).expanduser()
-    if mode not in MODES:
-        raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    for name, v in (("steps", steps), ("batch_size", batch_size), ("eval_windows", eval_windows),
-                    ("pool_size", pool_size)):
-        _check_int(name, v)
-    _check_int("seed", seed, 0)
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
-        raise InvalidArgumentError(f"lr (CLI --lr) must be a finite positive number; got {lr!r}")
-    if isinstance(generated, bool) or not isinstance(generated, (int, float)) or not 0 <= generated <= 1:
-        raise InvalidArgumentError(f"generated (CLI --generated) must be a fraction in [0, 1]; got {generated!r}")
-    if 0 < generated and _generated_rows(batch_size, generated) == 0:
-        raise InvalidArgumentError(f"generated (CLI --generated) {generated:g} of a batch of {batch_size} rows is no row; "
-                                   f"give at least {1 / batch_size:.3g} (one row) or a larger batch_size (--batch-size)")
+    _check_training_args(mode, steps, batch_size, eval_windows, pool_size, seed, lr, generated)
     check_output_folder(out_dir, overwrite, "distill.json", "a distilled draft", owned=DRAFT_FILES)
     check_writable(out_dir)
     try:
@@ -470,14 +509,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             torch.manual_seed(seed * 100 + 3)
             init_model = grow_layers(init_model, draft_size.layers)
 
-    # the tokenizer's special ids, else the model config's (a tokenizer.json alone declares none)
-    special = {}
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        v = getattr(tok, k)
-        v = getattr(tmodel.config, k, None) if v is None else v
-        special[k] = int(v) if isinstance(v, int) and v >= 0 else None
-    if special["pad_token_id"] is None:
-        special["pad_token_id"] = special["eos_token_id"] if special["eos_token_id"] is not None else 0
+    special = _special_ids(tok, tmodel.config)
     backend = tok.backend_tokenizer
     train_ids = torch.from_numpy(encode_docs(backend, c.train_docs, bos_id=special["bos_token_id"],
                                              eos_id=special["eos_token_id"], progress=progress, desc="tokenize train"))
@@ -559,21 +591,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     report["seconds"] = round(time.perf_counter() - t0, 2)
 
     draft.generation_config.pad_token_id = special["pad_token_id"]
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
-        draft.save_pretrained(tmp, safe_serialization=True)
-        for name in TOKENIZER_FILES:
-            if (target_dir / name).is_file():
-                shutil.copyfile(target_dir / name, tmp / name)
-        _write_json_atomic(report, tmp / "distill.json")
-        usual_permissions(tmp, recursive=True)  # safetensors writes the weights 0600
-        swap_into_place(tmp, out_dir, overwrite, "distill.json", "a distilled draft", owned=DRAFT_FILES)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _write_draft(draft, report, target_dir, out_dir, overwrite)
     return report
 
 
