@@ -22,7 +22,6 @@ import math
 import os
 import threading
 import weakref
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -36,8 +35,8 @@ from .bundle import BundleManifest, load_bundle
 from .config import DRAFTERS, GenerationConfig, SamplingConfig, as_float, as_int
 from .drafters import HybridDrafter, LookaheadDrafter, NgramDrafter
 from .report import usable_cores
-from .errors import (BundleError, EdgeSpecError, EdgeSpecWarning, EngineBusyError, InvalidArgumentError, PromptTooLongError,
-                     TokenizerMismatchError)
+from .errors import (BundleError, EdgeSpecError, EngineBusyError, InvalidArgumentError, PromptTooLongError,
+                     TokenizerMismatchError, warn)
 
 DEFAULT_MAX_GAMMA = 8
 # A verify call's cost per extra token, in target steps, for a seeded adaptive run (which does not
@@ -507,9 +506,8 @@ class Engine:
                                                                      ("lenience", config.lenience != 1))
                    if on and config.sampling.greedy]  # (lenience: a one-hot p keeps the argmax draft whatever l)
         if ignored:  # as Hugging Face's generate does, a warning: scripts sweep temperatures with one set of keywords
-            warnings.warn(f"{' and '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect at temperature 0: greedy "
-                          f"decoding takes the target's argmax; drop {'it' if len(ignored) == 1 else 'them'} or set a temperature above 0",
-                          EdgeSpecWarning, stacklevel=2)
+            warn(f"{' and '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect at temperature 0: greedy "
+                 f"decoding takes the target's argmax; drop {'it' if len(ignored) == 1 else 'them'} or set a temperature above 0")
         ids = self._prompt_ids(prompt_or_ids)
         self._check_lengths(len(ids), config.max_new_tokens)
         if use_draft and len(ids) > prompt_limit(self.draft):
@@ -518,9 +516,9 @@ class Engine:
                     f"prompt has {len(ids)} tokens but the draft model takes at most {prompt_limit(self.draft)}; "
                     "shorten the prompt or decode without the draft (use_draft=False; CLI: --no-draft)", "prompt")
             # The default drafts where the draft can help; a prompt longer than its positions leaves it no room.
-            warnings.warn(f"the prompt has {len(ids)} tokens and the draft model takes at most {prompt_limit(self.draft)}: "
-                          "decoding without the draft (plain speed); shorten the prompt to draft, or export a draft "
-                          "with as many positions as the target", EdgeSpecWarning, stacklevel=2)
+            warn(f"the prompt has {len(ids)} tokens and the draft model takes at most {prompt_limit(self.draft)}: "
+                 "decoding without the draft (plain speed); shorten the prompt to draft, or export a draft "
+                 "with as many positions as the target")
             use_draft = False
         rng = np.random.default_rng(seed)
         draft = NgramDrafter() if ngram else self._model_drafter(drafter, seed, config) if use_draft else None
@@ -586,7 +584,7 @@ class Engine:
         if drafter == "lookahead":
             if self._lookahead is None:  # one per engine: it owns the worker thread
                 self._lookahead = LookaheadDrafter(self.draft)
-                warn_if_no_spare_core(self._target_threads, stacklevel=4)  # (the caller of generate)
+                warn_if_no_spare_core(self._target_threads)
             return self._lookahead
         if drafter == "hybrid":
             if seed is not None and not config.sampling.greedy:
@@ -662,18 +660,18 @@ def default_target_threads(lookahead: bool) -> int:
     return max(1, usable_cores() - 1) if lookahead else 0
 
 
-def warn_if_no_spare_core(threads: int | None, stacklevel: int = 2) -> None:
+def warn_if_no_spare_core(threads: int | None) -> None:
     """The lookahead drafter's worker needs a core the target leaves free."""
     if threads is None:
         return
     cores = usable_cores()
     if threads == 0 or threads >= cores:
-        warnings.warn(
+        warn(
             f"the lookahead drafter (drafter='lookahead', CLI --draft lookahead) with the target on "
             f"{f'{threads} threads ({cores} cores)' if threads > cores else f'all {cores} cores'}: the draft's thread competes with the target's (11% "
             f"slower than the model drafter on the 2-core benchmark machine); give the target fewer threads "
             f"(threads={max(1, cores - 1)}, CLI --threads {max(1, cores - 1)}) or use the model drafter (drafter='model', "
-            "CLI --draft model)", EdgeSpecWarning, stacklevel=stacklevel)
+            "CLI --draft model)")
 
 
 def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), draft_providers: Sequence[str] | str | None = None,
@@ -711,8 +709,8 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     if (manifest.draft is None or not load_draft) and unused:  # (a script loading bundles of either kind alike)
         why = ("load_draft=False (CLI --no-draft, --draft ngram) loads no draft model" if manifest.draft is not None else
                f"{str(root)!r} holds no draft model (export it with --draft to speculate with one)")
-        warnings.warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: {why}; drop "
-                      f"{'it' if len(unused) == 1 else 'them'}", EdgeSpecWarning, stacklevel=2)
+        warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect: {why}; drop "
+             f"{'it' if len(unused) == 1 else 'them'}")
     if runtime == "xla":  # the ONNX Runtime session settings below do not apply
         providers, draft_providers = ("cpu",), None
     target_cfg = SessionConfig(providers=resolve_providers(providers), intra_op_threads=threads, spinning=spinning,
@@ -733,11 +731,11 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
     target = open_model(tm, target_cfg)
     draft = open_model(manifest.draft, draft_cfg) if load_draft and manifest.draft is not None else None
     if tm.quantization == contract.QUANT_DYNAMIC_INT8 and runtime == "onnx":  # any drafter, ngram included
-        warnings.warn(
+        warn(
             f"{root}: the target was quantized with dynamic int8 (edgespec before 2026-11-30), whose logits at a "
             "position depend on the other tokens in the same call, so speculative output (draft model or ngram) is "
             "not distributed exactly as plain decoding's; re-export the bundle (`edgespec export --quantize-target "
-            "int8` now writes a causal per-token int8 target)", EdgeSpecWarning, stacklevel=2)
+            "int8` now writes a causal per-token int8 target)")
     return Engine(root, manifest, target, draft, tokenizer, target_threads=threads if runtime == "onnx" else None)
 
 
@@ -786,9 +784,9 @@ def _warn_oversubscribed(target_cfg, draft_cfg) -> None:
     for name, cfg in (("threads", target_cfg), ("draft_threads", draft_cfg)):
         n = cfg.intra_op_threads if cfg is not None else 0
         if n > cores:  # (a trial: threads=500 on 2 cores loaded in 10 s and generated 20 tokens in 4.5 s, not 10 ms)
-            warnings.warn(f"{name}={n} (CLI --{name.replace('_', '-')}) on a machine where this process may use {cores} "
-                          f"cores: ONNX Runtime starts {n} threads that take turns on them, slower than {cores} threads; use "
-                          f"at most {cores} (0: ONNX Runtime's choice)", EdgeSpecWarning, stacklevel=3)
+            warn(f"{name}={n} (CLI --{name.replace('_', '-')}) on a machine where this process may use {cores} "
+                 f"cores: ONNX Runtime starts {n} threads that take turns on them, slower than {cores} threads; use "
+                 f"at most {cores} (0: ONNX Runtime's choice)")
 
 
 def _load_tokenizer(root: Path, manifest: BundleManifest, load_draft: bool):

@@ -10,14 +10,13 @@ import math
 import shlex
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
 from .backend import prompt_limit
 from .config import SamplingConfig
-from .errors import EdgeSpecWarning, InvalidArgumentError, PromptTooLongError
+from .errors import InvalidArgumentError, PromptTooLongError, warn
 from .cli import at_least, folder, parse_list
 from .measure import ReadCounter, Setting, adaptive_vs_static, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
@@ -141,8 +140,8 @@ def read_prompts(path: Path | None) -> list[str]:
         raise InvalidArgumentError(f"--prompts {path} holds no prompt (prompts are separated by lines holding only ---)")
     blank = sum(not p.strip() for p in parts[kept[0]:kept[-1]])  # (a --- before the first or after the last is no prompt)
     if blank:
-        warnings.warn(f"--prompts {path}: {blank} blank prompt{'s' * (blank != 1)} between '---' lines skipped; "
-                      f"measuring the other {len(kept)}", EdgeSpecWarning, stacklevel=2)
+        warn(f"--prompts {path}: {blank} blank prompt{'s' * (blank != 1)} between '---' lines skipped; "
+             f"measuring the other {len(kept)}")
     return [parts[i] for i in kept]
 
 

@@ -13,13 +13,11 @@ import os
 import re
 import sys
 import sysconfig
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from .errors import EdgeSpecWarning, TrainingError
-
+from .errors import TrainingError, warn
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the special tokens
@@ -150,9 +148,9 @@ def load_documents(paths: Sequence[os.PathLike | str] | None = None) -> Corpus:
         if text:  # skip empty and binary files
             docs.append(text)
     if mangled:
-        warnings.warn(f"{len(mangled)} corpus file(s) found in the folders given are not UTF-8 text (first: "
-                      f"{mangled[0]}); their invalid bytes were read as U+FFFD: convert them to UTF-8 or leave them "
-                      "out", EdgeSpecWarning, stacklevel=2)
+        warn(f"{len(mangled)} corpus file(s) found in the folders given are not UTF-8 text (first: "
+             f"{mangled[0]}); their invalid bytes were read as U+FFFD: convert them to UTF-8 or leave them "
+             "out")
     total = sum(len(d.encode("utf-8")) for d in docs)
     if not docs or total == 0:
         raise TrainingError(

@@ -20,14 +20,13 @@ import math
 import os
 import shutil
 import time
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 from . import contract
 from .corpus import bar_options
-from .errors import CheckpointError, EdgeSpecWarning, InvalidArgumentError, OutputExistsError, TrainingError
+from .errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError, warn
 from .cli import at_least, folder
 from .outputs import DRAFT_FILES, TOKENIZER_FILES, check_output_folder, check_writable, swap_into_place, usual_permissions
 
@@ -559,13 +558,11 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     if n_draft * 2 >= n_target:
         # a draft step costs about its share of the target's weights (c), and Theorem 3.8's speedup
         # (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)) is small once c is not far below 1
-        warnings.warn(f"the draft has {n_draft / 1e6:.2f}M parameters, {n_draft / n_target:.0%} of the target's "
-                      f"{n_target / 1e6:.2f}M: each draft token will cost a large share of a target step, or more, and gain little or "
-                      "nothing; " + ("start from a smaller --init checkpoint (its shape is kept; only --layers may grow it)"
-                                     if init is not None else
-                                     "make it smaller with --hidden/--layers (--size tiny is the smallest named size)"),
-                      EdgeSpecWarning,
-                      stacklevel=2)
+        warn(f"the draft has {n_draft / 1e6:.2f}M parameters, {n_draft / n_target:.0%} of the target's "
+             f"{n_target / 1e6:.2f}M: each draft token will cost a large share of a target step, or more, and gain little or "
+             "nothing; " + ("start from a smaller --init checkpoint (its shape is kept; only --layers may grow it)"
+                            if init is not None else
+                            "make it smaller with --hidden/--layers (--size tiny is the smallest named size)"))
     report["alpha_before"] = alphas(before)
     report["alpha_on_target_before"] = alphas_on_target(before)
     pool = None

@@ -1,4 +1,6 @@
 """The one error family edgespec raises. Every message says how to fix the problem."""
+import sys
+import warnings
 
 
 class EdgeSpecError(Exception):
@@ -14,6 +16,19 @@ class EdgeSpecWarning(UserWarning):
     """A setting that works but is likely slower than the alternative the message names.
 
     The CLI prints it as one ``warning:`` line on stderr."""
+
+
+def warn(message: str) -> None:
+    """Warn with an EdgeSpecWarning attributed to the first caller outside edgespec (the line of the
+    user's script that called the API), as Python 3.12's ``skip_file_prefixes`` does; counting
+    frames by hand broke whenever a helper moved a warning one call deeper."""
+    dirs = tuple(m.__file__.rsplit("__init__.py", 1)[0] for m in
+                 (sys.modules.get(n) for n in ("edgespec", "edgespec.export", "edgespec.runtimes"))
+                 if m is not None and getattr(m, "__file__", None))
+    frame, level = sys._getframe(1), 2  # (stacklevel 1 is this function)
+    while frame is not None and frame.f_code.co_filename.startswith(dirs):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, EdgeSpecWarning, stacklevel=level)
 
 
 class InvalidArgumentError(EdgeSpecError, ValueError):

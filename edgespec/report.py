@@ -78,11 +78,9 @@ def warn_if_busy(cores: float | None) -> None:
     noticeable share of the cores (see other_load_note)."""
     note = other_load_note(cores)
     if note:
-        import warnings
+        from .errors import warn
 
-        from .errors import EdgeSpecWarning
-
-        warnings.warn(note, EdgeSpecWarning, stacklevel=3)
+        warn(note)
 
 
 def other_load_note(cores: float | None) -> str | None:

@@ -19,7 +19,6 @@ import uuid
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -27,8 +26,8 @@ from typing import Callable
 
 from edgespec import contract
 from edgespec.bundle import PARTIAL_MARKER, BundleManifest, ModelManifest, load_bundle, write_manifest
-from edgespec.errors import (CheckpointError, DiskFullError, EdgeSpecError, EdgeSpecWarning, InvalidArgumentError,
-                             OutputExistsError, UnsupportedArchitectureError, ValidationError)
+from edgespec.errors import (CheckpointError, DiskFullError, EdgeSpecError, InvalidArgumentError,
+                             OutputExistsError, UnsupportedArchitectureError, ValidationError, warn)
 from edgespec.outputs import (BUNDLE_FILES, check_output_folder, check_writable, foreign_names, swap_into_place,
                               usual_permissions)
 
@@ -225,9 +224,9 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     eos_ids = _eos_ids(ckpt.path, ckpt.config)
     never = [e for e in eos_ids if e >= limit]
     if never:  # the runtime samples below the tokenizer's size: such an EOS never ends a generation
-        warnings.warn(f"{role}: eos_token_id {never} is not among the tokenizer's {limit} ids, so it never ends a "
-                      "generation (max_new_tokens or stop_token_ids will); fix eos_token_id in generation_config.json / "
-                      "config.json if the model has another EOS", EdgeSpecWarning, stacklevel=2)
+        warn(f"{role}: eos_token_id {never} is not among the tokenizer's {limit} ids, so it never ends a "
+             "generation (max_new_tokens or stop_token_ids will); fix eos_token_id in generation_config.json / "
+             "config.json if the model has another EOS")
 
     refs: dict = {}  # PyTorch's reference passes, computed once for every validation of this model
 
@@ -242,9 +241,9 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
 
     switch = contract.rope_switch(ckpt.config)
     if switch is not None:
-        warnings.warn(f"{role}: {ckpt.path} uses length-dependent rotary scaling (longrope): its factors change past "
-                      f"{switch} tokens and the exported graph keeps the short ones, so the bundle is limited to "
-                      f"{switch} positions (prompt + new tokens); longer contexts are refused at run time", EdgeSpecWarning, stacklevel=2)
+        warn(f"{role}: {ckpt.path} uses length-dependent rotary scaling (longrope): its factors change past "
+             f"{switch} tokens and the exported graph keeps the short ones, so the bundle is limited to "
+             f"{switch} positions (prompt + new tokens); longer contexts are refused at run time")
     reach = validate.validated_positions(None if seq2seq else _max_positions(ckpt))
     progress(f"{role}: validating ONNX Runtime vs PyTorch (prefill, 1-token and {validate.MULTI_STEP_TOKENS}-token steps, "
              f"a rewound round, {reach} {'decoder ' if seq2seq else ''}positions)")
@@ -259,12 +258,11 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
             reasons = "; ".join(f"{n} x {why}" for why, n in skipped.items())
             if not converted:
                 quant_label = "none"
-                warnings.warn(f"{role}: no MatMul or Gemm by a constant fp32 weight could be quantized"
-                              f"{f' ({reasons})' if reasons else ''}; the target is exported in fp32",
-                              EdgeSpecWarning, stacklevel=2)
+                warn(f"{role}: no MatMul or Gemm by a constant fp32 weight could be quantized"
+                     f"{f' ({reasons})' if reasons else ''}; the target is exported in fp32")
             elif skipped:
-                warnings.warn(f"{role}: {sum(skipped.values())} of {converted + sum(skipped.values())} weight products "
-                              f"stay fp32 ({reasons}); the others are int8", EdgeSpecWarning, stacklevel=2)
+                warn(f"{role}: {sum(skipped.values())} of {converted + sum(skipped.values())} weight products "
+                     f"stay fp32 ({reasons}); the others are int8")
         else:
             for name in files.values():
                 quantize_int8(folder / name)
@@ -372,20 +370,19 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
                 "decoder-only or both encoder-decoder: pick a draft of the target's family"
             )
         if t.path.resolve() == d.path.resolve():
-            warnings.warn("the draft is the target itself: every draft token is kept, but each costs a full target "
-                          "step, so speculation is slower than plain decoding; pass a smaller draft",
-                          EdgeSpecWarning, stacklevel=2)
+            warn("the draft is the target itself: every draft token is kept, but each costs a full target "
+                 "step, so speculation is slower than plain decoding; pass a smaller draft")
         ts, ds = (int(m.config.get("decoder_start_token_id") or 0) for m in (t, d))  # (none: 0, as the runtime)
         if t.kind == contract.KIND_SEQ2SEQ and d.kind == contract.KIND_SEQ2SEQ and ts != ds:
-            warnings.warn(f"the draft's decoder starts from token {ds} and the target's from {ts}: the draft guesses "
-                          "after another start (the output stays exact; fewer drafts may be kept): pass a draft that "
-                          f"starts from token {ts} (decoder_start_token_id)", EdgeSpecWarning, stacklevel=2)
+            warn(f"the draft's decoder starts from token {ds} and the target's from {ts}: the draft guesses "
+                 "after another start (the output stays exact; fewer drafts may be kept): pass a draft that "
+                 f"starts from token {ts} (decoder_start_token_id)")
         tp, dp = contract.config_positions(t.config, t.kind), contract.config_positions(d.config, d.kind)
         if tp is not None and dp is not None and dp < tp:
-            warnings.warn(f"the draft takes {dp} positions and the target {tp}: past {dp} tokens (prompt and output) "
-                          "generation decodes plainly (so does a longer prompt, unless a drafter, gamma or lenience "
-                          "is given: then it is refused); pass a draft with as many positions as the target for speculation "
-                          "over the whole context", EdgeSpecWarning, stacklevel=2)
+            warn(f"the draft takes {dp} positions and the target {tp}: past {dp} tokens (prompt and output) "
+                 "generation decodes plainly (so does a longer prompt, unless a drafter, gamma or lenience "
+                 "is given: then it is refused); pass a draft with as many positions as the target for speculation "
+                 "over the whole context")
     layouts = {role: _kv_layout(ckpt, options) for role, ckpt in roles.items()}  # --graph refusals, before any loading
     if options.opset is not None and all(layout == contract.KV_STATIC for layout in layouts.values()):
         raise InvalidArgumentError(f"--opset sets the opset of optimum's traced graphs; these models get static-KV graphs "
@@ -408,9 +405,8 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
         # XLA options, checked against each config before the ONNX work
         checked = {role: check_xla_options(ckpt.path, **{"atol": options.atol, **xla}) for role, ckpt in roles.items()}
         if draft is not None and checked[contract.ROLE_TARGET]["verify_width"] == 1:
-            warnings.warn("--verify-width 1 leaves no room for a draft token: the XLA runtime can only decode plainly "
-                          "with this bundle; pass --verify-width 2 or more (max gamma + 1; default 9)",
-                          EdgeSpecWarning, stacklevel=2)
+            warn("--verify-width 1 leaves no room for a draft token: the XLA runtime can only decode plainly "
+                 "with this bundle; pass --verify-width 2 or more (max gamma + 1; default 9)")
     dest = check_output(Path(out), [c.path for c in roles.values()], options.overwrite)
     if draft is not None:  # (the target's are checked as it loads, first; the draft's only after the target's export)
         from .onnx_export import check_finite_weights

@@ -23,7 +23,6 @@ import math
 import shutil
 import tempfile
 import time
-import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
@@ -32,7 +31,7 @@ import numpy as np
 
 from edgespec import contract
 from edgespec.cli import folder
-from edgespec.errors import EdgeSpecWarning, InvalidArgumentError, OutputExistsError
+from edgespec.errors import InvalidArgumentError, OutputExistsError, warn
 from edgespec.outputs import XLA_FILES, check_output_folder, check_writable, swap_into_place, usual_permissions
 
 FORMAT = "edgespec-xla"
@@ -109,10 +108,9 @@ def check_xla_options(checkpoint_dir: str | Path, platforms: Sequence[str] = ("c
         buckets = sorted(set(buckets) | {E})  # the longest prompt has a bucket
     if spec.encoder_decoder and max_source_length is None:
         # every decoder step attends over the E encoder positions (masked past the prompt)
-        warnings.warn("the XLA encoder takes prompts of up to 512 tokens by default, and each decoder step attends over "
-                      "all 512 positions, whatever the prompt's length (a trial's tiny T5 stepped 2x slower than with "
-                      "--max-source-length 32); pass --max-source-length with your longest prompt", EdgeSpecWarning,
-                      stacklevel=2)
+        warn("the XLA encoder takes prompts of up to 512 tokens by default, and each decoder step attends over "
+             "all 512 positions, whatever the prompt's length (a trial's tiny T5 stepped 2x slower than with "
+             "--max-source-length 32); pass --max-source-length with your longest prompt")
     if isinstance(atol, bool) or not isinstance(atol, (int, float)) or not math.isfinite(atol) or atol <= 0:
         raise InvalidArgumentError(f"atol must be a finite number > 0; got {atol!r}")
     return {"platforms": platforms, "max_length": max_length, "verify_width": verify_width, "widths": widths,

@@ -614,8 +614,10 @@ def test_target_as_its_own_draft_warns(tiny_checkpoints, tmp_path):
     from edgespec.errors import EdgeSpecWarning
 
     target, _ = tiny_checkpoints("gpt2")
-    with pytest.warns(EdgeSpecWarning, match="the draft is the target itself"):
+    with pytest.warns(EdgeSpecWarning, match="the draft is the target itself") as seen:
         export_bundle(target, tmp_path / "self", draft=target, progress=None)
+    # named after the caller's line (it named pipeline.py's export_bundle: a stacklevel counted by hand)
+    assert [w.filename for w in seen] == [__file__]
 
 
 def test_a_t5_draft_with_another_start_token_warns(tiny_checkpoints, tmp_path, monkeypatch):
@@ -689,8 +691,9 @@ def test_a_draft_with_fewer_positions_warns(tmp_path):
 
     eng = edgespec.load(tmp_path / "b")
     ids = [3 + i % 50 for i in range(40)]
-    with pytest.warns(EdgeSpecWarning, match="the prompt has 40 tokens and the draft model takes at most 32: decoding without"):
+    with pytest.warns(EdgeSpecWarning, match="the prompt has 40 tokens and the draft model takes at most 32: decoding without") as seen:
         out = eng.generate(ids, max_new_tokens=8, temperature=0)
+    assert [w.filename for w in seen] == [__file__]
     assert out.stats.draft_calls == 0 and out.ids == eng.generate(ids, max_new_tokens=8, temperature=0, use_draft=False).ids
     for kw in ({"drafter": "model"}, {"gamma": 3}):
         with pytest.raises(PromptTooLongError, match="the draft model takes at most 32"):
