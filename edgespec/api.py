@@ -30,7 +30,7 @@ import numpy as np
 
 from . import contract
 from .adaptive import AdaptiveGamma
-from .backend import prompt_limit
+from .backend import draft_limit_words, draft_prompt_limit, prompt_limit
 from .bundle import BundleManifest, load_bundle
 from .config import DRAFTERS, GenerationConfig, SamplingConfig, as_float, as_int
 from .drafters import HybridDrafter, LookaheadDrafter, NgramDrafter
@@ -394,7 +394,7 @@ class Engine:
             # ints reach the range check below)
             items = (arr.tolist() if isinstance(prompt, np.ndarray) else list(prompt)) if arr.ndim == 1 else []
             if not items or any(isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)) for i in items):
-                raise InvalidArgumentError("prompt ids must be a non-empty 1-D sequence of integers (not bools)")
+                raise InvalidArgumentError("prompt ids must be a non-empty 1-D sequence of integers (not floats, not bools)")
             ids = [int(i) for i in items]
         # This bundle's token ids, with or without a draft (which has a stand-in for ids past its own
         # rows): rows past the tokenizer are padding that no text encodes to and decode() refuses.
@@ -469,7 +469,9 @@ class Engine:
         length per round from the draft's confidence, the acceptance rate so far and the measured
         call times; the policy keeps what it learned for later calls with the same settings. With
         sampling and a ``seed``, it prices calls from the bundle instead of measuring them and starts
-        afresh, so the seed fixes the text; ``gamma=k`` drafts k tokens every round.
+        afresh, so the seed fixes the text (for the same settings, max_new_tokens included: the last
+        rounds draft fewer tokens, so a shorter run is not always the start of a longer one with the
+        same seed); ``gamma=k`` drafts k tokens every round.
         With the ONNX runtime any gamma >= 1 works (the graphs take any number of new tokens); with
         ``runtime="xla"`` gamma + 1 may not exceed the artifacts' verify width (xla.json, default 9);
         ``use_draft=False`` (or a single-model bundle) decodes plainly with the target.
@@ -510,13 +512,13 @@ class Engine:
                  f"decoding takes the target's argmax; drop {'it' if len(ignored) == 1 else 'them'} or set a temperature above 0")
         ids = self._prompt_ids(prompt_or_ids)
         self._check_lengths(len(ids), config.max_new_tokens)
-        if use_draft and len(ids) > prompt_limit(self.draft):
+        if use_draft and len(ids) > draft_prompt_limit(self.draft):
             if asked is not None or idle:  # the draft was asked for
                 raise PromptTooLongError(
-                    f"prompt has {len(ids)} tokens but the draft model takes at most {prompt_limit(self.draft)}; "
+                    f"prompt has {len(ids)} tokens but the draft model {draft_limit_words(self.draft)}; "
                     "shorten the prompt or decode without the draft (use_draft=False; CLI: --no-draft)", "prompt")
-            # The default drafts where the draft can help; a prompt longer than its positions leaves it no room.
-            warn(f"the prompt has {len(ids)} tokens and the draft model takes at most {prompt_limit(self.draft)}: "
+            # The default drafts where the draft can help; a prompt that fills its positions leaves it no room.
+            warn(f"the prompt has {len(ids)} tokens and the draft model {draft_limit_words(self.draft)}: "
                  "decoding without the draft (plain speed); shorten the prompt to draft, or export a draft "
                  "with as many positions as the target")
             use_draft = False
@@ -746,9 +748,10 @@ def _check_load_options(providers, draft_providers, threads, draft_threads, spin
 
     threads, draft_threads = as_int(threads), as_int(draft_threads)
     for name, v in (("threads", threads), ("draft_threads", draft_threads)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+        if (v is not None or name == "threads") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             raise InvalidArgumentError(f"{name} (CLI --{name.replace('_', '-')}) must be an integer >= 0 "
-                                       f"(0 = ONNX Runtime's default); got {v!r}")
+                                       f"(0 = ONNX Runtime's default{'' if name == 'threads' else '; None: as the target'}); "
+                                       f"got {v!r}")
     for name, v, optional in (("load_draft", load_draft, False), ("spinning", spinning, True),
                               ("draft_spinning", draft_spinning, True)):
         if not isinstance(v, (bool, np.bool_)) and not (optional and v is None):

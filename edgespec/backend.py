@@ -50,3 +50,20 @@ class Backend(Protocol):
 def prompt_limit(backend) -> int:
     """The most prompt tokens ``backend.prefill`` takes."""
     return getattr(backend, "max_prompt_length", backend.max_length)
+
+
+def draft_prompt_limit(draft) -> int:
+    """The longest prompt after which a draft model can still propose a token: a decoder-only
+    draft's positions hold the prompt and then the pending token it reads to draft (the drafters'
+    ``room``), so a prompt filling all of them leaves it nothing to draft."""
+    if getattr(draft, "is_encoder_decoder", False):
+        return prompt_limit(draft)  # the prompt goes to the encoder
+    return min(prompt_limit(draft), draft.max_length - 1)
+
+
+def draft_limit_words(draft) -> str:
+    """'takes at most N' for messages about draft_prompt_limit, saying why where it is one short of the positions."""
+    n = draft_prompt_limit(draft)
+    why = (f" (the last of its {draft.max_length} positions is for the token it reads to draft)"
+           if n == draft.max_length - 1 and n < prompt_limit(draft) else "")
+    return f"takes at most {n}{why}"

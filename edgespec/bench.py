@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-from .backend import prompt_limit
+from .backend import draft_limit_words, draft_prompt_limit, prompt_limit
 from .config import SamplingConfig
 from .errors import InvalidArgumentError, PromptTooLongError, warn
 from .cli import at_least, folder, parse_list
@@ -145,11 +145,9 @@ def read_prompts(path: Path | None) -> list[str]:
     return [parts[i] for i in kept]
 
 
-def run(args: argparse.Namespace) -> int:
-    from .api import default_target_threads, gamma_bound, warn_if_no_spare_core
+def _grid(args: argparse.Namespace) -> list:
+    """The settings --gammas x --temperatures x --lenience x --draft (x top-k, top-p) asks for."""
     from .config import DRAFTERS
-    from .generate_cli import refuse_ort_flags
-    from .outputs import check_report_folder
 
     temperatures, leniences = parse_list(args.temperatures, float, "temperatures"), parse_list(args.lenience, float, "lenience")
     if any(not (math.isfinite(t) and t >= 0) for t in temperatures):  # (SamplingConfig's message names --temperature)
@@ -166,6 +164,36 @@ def run(args: argparse.Namespace) -> int:
     for s in grid:
         if s.draft not in DRAFTERS:
             raise InvalidArgumentError(f"--draft takes {', '.join(DRAFTERS)} (a comma list); got {s.draft!r}")
+    return grid
+
+
+def _print_notes(rows: list[dict], versus: list[dict]) -> None:
+    """Below the table: adaptive against the best static gamma, and where plain target steps came from."""
+    for v in versus:
+        lo, hi = v["iqr"]
+        iqr = f"[{lo:.3f}-{hi:.3f}]" if lo == lo and hi == hi else "[---]"  # one repeat: no spread
+        lenient = f" l={v['lenience']:g}" if v["lenience"] != 1 else ""
+        print(f"T={v['temperature']:g}{lenient} {v['draft']}: adaptive gamma / best static gamma ({v['best_static_gamma']}) "
+              f"= {v['adaptive_over_best_static']:.3f} {iqr} (speculative tokens/s, same run)")
+    for r in rows:  # plain target steps inside a run: where they came from
+        lookup, adaptive = r["draft"] == "ngram", r["gamma"] is None
+        why = " or ".join(w for w, on in (("lookups that found nothing", lookup),
+                                          ("the adaptive policy finding them faster than drafted rounds", adaptive)) if on) \
+            or "rounds with no room to draft: a prompt's last new token, the draft's last positions"
+        if math.isnan(r["alpha"]) and (lookup or adaptive):  # no drafted round (each first token is the prefill's)
+            print(f"{r['setting']}: no round was drafted: after each prompt's first token, every token came from plain "
+                  f"target steps ({why}); the theory columns are empty")
+        elif r["plain_step_share"] > 0.05:
+            print(f"{r['setting']}: {r['plain_step_share']:.0%} of the tokens came from plain target steps ({why}; the "
+                  "theory columns describe the drafted rounds)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .api import default_target_threads, gamma_bound, warn_if_no_spare_core
+    from .generate_cli import refuse_ort_flags
+    from .outputs import check_report_folder
+
+    grid = _grid(args)
     if args.platform is not None and args.runtime != "xla":
         raise InvalidArgumentError("--platform picks the XLA device; add --runtime xla or drop --platform")
     refuse_ort_flags(args.runtime, {"--provider": args.provider is not None, "--threads": args.threads is not None,
@@ -206,10 +234,10 @@ def run(args: argparse.Namespace) -> int:
     longest = max(len(p) for p in prompts)
     # (a prompt too long for the target too is reported by the run, as the target's)
     if ob.draft is not None and any(s.draft != "ngram" for s in grid) and \
-            prompt_limit(ob.draft.backend) < longest <= prompt_limit(ob.target.backend):
+            draft_prompt_limit(ob.draft.backend) < longest <= prompt_limit(ob.target.backend):
         which = "the built-in prompts" if args.prompts is None else f"--prompts {args.prompts}"
-        raise PromptTooLongError(f"a prompt has {longest} tokens but the draft model takes at most "
-                                 f"{prompt_limit(ob.draft.backend)} ({which}): pass --prompts FILE with shorter prompts, or measure the "
+        raise PromptTooLongError(f"a prompt has {longest} tokens but the draft model {draft_limit_words(ob.draft.backend)} "
+                                 f"({which}): pass --prompts FILE with shorter prompts, or measure the "
                                  "prompt-lookup drafter alone (--draft ngram)", "prompt")
     log = (lambda m: None) if args.quiet else (lambda m: print(f"[bench] {m}", file=sys.stderr, flush=True))
     for name, backend in (("target", ob.target.backend), ("draft", ob.draft.backend if ob.draft else None)):
@@ -257,23 +285,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.out / "bench.json", payload)
         written = plot(rows, args.out)
     print(format_table(rows))
-    for v in versus:
-        lo, hi = v["iqr"]
-        iqr = f"[{lo:.3f}-{hi:.3f}]" if lo == lo and hi == hi else "[---]"  # one repeat: no spread
-        lenient = f" l={v['lenience']:g}" if v["lenience"] != 1 else ""
-        print(f"T={v['temperature']:g}{lenient} {v['draft']}: adaptive gamma / best static gamma ({v['best_static_gamma']}) "
-              f"= {v['adaptive_over_best_static']:.3f} {iqr} (speculative tokens/s, same run)")
-    for r in rows:  # plain target steps inside a run: where they came from
-        lookup, adaptive = r["draft"] == "ngram", r["gamma"] is None
-        why = " or ".join(w for w, on in (("lookups that found nothing", lookup),
-                                          ("the adaptive policy finding them faster than drafted rounds", adaptive)) if on) \
-            or "rounds with no room to draft: a prompt's last new token, the draft's last positions"
-        if math.isnan(r["alpha"]) and (lookup or adaptive):  # no drafted round (each first token is the prefill's)
-            print(f"{r['setting']}: no round was drafted: after each prompt's first token, every token came from plain "
-                  f"target steps ({why}); the theory columns are empty")
-        elif r["plain_step_share"] > 0.05:
-            print(f"{r['setting']}: {r['plain_step_share']:.0%} of the tokens came from plain target steps ({why}; the "
-                  "theory columns describe the drafted rounds)")
+    _print_notes(rows, versus)
     print(note)
     warn_if_busy(others)  # after the table
     if args.out is not None:

@@ -124,9 +124,23 @@ class GenerationResult:
 
 
 def _check_prompt(prompt_ids: Sequence[int], target: Backend) -> np.ndarray:
-    prompt = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)               # [P]
-    if prompt.size == 0:
+    if isinstance(prompt_ids, (str, bytes, bytearray)):
+        raise InvalidArgumentError("prompt_ids takes token ids; encode text first (engine.encode(text)), or call "
+                                   "engine.generate(text), which does")
+    try:
+        given = np.asarray(prompt_ids)
+    except (TypeError, ValueError) as exc:  # (ragged nesting)
+        raise InvalidArgumentError(f"prompt_ids must be a 1-D sequence of integer token ids; got {prompt_ids!r:.80}") from exc
+    if given.size == 0:
         raise InvalidArgumentError("the prompt is empty; pass at least one token (or non-empty text)")
+    # (int64 casting would truncate 1.7 to 1 and read True as 1: a caller's bug, not a token)
+    if given.ndim != 1 or given.dtype.kind not in "iu" or (  # (numpy makes [True, 2] an int array)
+            not isinstance(prompt_ids, np.ndarray) and any(isinstance(i, (bool, np.bool_)) for i in prompt_ids)):
+        raise InvalidArgumentError(f"prompt_ids must be a 1-D sequence of integer token ids (not floats or bools); got "
+                                   f"{prompt_ids!r:.80}")
+    if given.dtype.kind == "u" and given.max() > np.iinfo(np.int64).max:
+        raise InvalidArgumentError(f"prompt token ids must be in [0, {target.vocab_size}); got max {given.max()}")
+    prompt = given.astype(np.int64)                                            # [P]
     if prompt.min() < 0 or prompt.max() >= target.vocab_size:
         raise InvalidArgumentError(
             f"prompt token ids must be in [0, {target.vocab_size}); got min {prompt.min()}, max {prompt.max()}")
@@ -239,6 +253,9 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
     """
     if not isinstance(rng, np.random.Generator):
         raise InvalidArgumentError("rng must be a numpy.random.Generator, e.g. np.random.default_rng(seed)")
+    if not isinstance(config, GenerationConfig):
+        raise InvalidArgumentError(f"config must be an edgespec.GenerationConfig, e.g. GenerationConfig(max_new_tokens=32, "
+                                   f"sampling=SamplingConfig(temperature=0)); got {type(config).__name__}")
     prompt = _check_prompt(prompt_ids, target)
     # A drafter has propose(); anything else is taken as a draft model's Backend.
     drafter = draft if draft is None or hasattr(draft, "propose") else ModelDrafter(draft)

@@ -288,6 +288,10 @@ def test_load_errors(tmp_path, bundle_copy, tiny_bundle):
     for kwargs, needle in (({"load_draft": "no"}, "load_draft must be True or False"),
                            ({"spinning": "no"}, "spinning must be True or False (or None"),
                            ({"draft_spinning": 1}, "draft_spinning must be True or False"),
+                           ({"threads": None}, "threads (CLI --threads) must be an integer >= 0 (0 = ONNX Runtime's default)"),
+                           ({"threads": -1}, "threads (CLI --threads) must be an integer >= 0"),
+                           ({"draft_threads": 1.5}, "draft_threads (CLI --draft-threads) must be an integer >= 0 (0 = "
+                                                    "ONNX Runtime's default; None: as the target)"),
                            ({"providers": None}, "providers must be provider names in order"),
                            ({"providers": 5}, "providers must be provider names"),
                            ({"draft_providers": 5}, "draft_providers must be provider names"),

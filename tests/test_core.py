@@ -366,6 +366,15 @@ def test_bad_prompts():
         generate(target, [-1], cfg(), np.random.default_rng(0), draft)
     with pytest.raises(InvalidArgumentError, match="Generator"):
         generate(target, [1], cfg(), 0, draft)
+    # The public core API took text as a bare ValueError, a dict config as an AttributeError, and
+    # truncated float ids to ints (a trial's finds); Engine.generate refused all three already.
+    for bad, needle in (("def", "encode text first"), ([1.7, 2.2], "not floats or bools"), ([True, 2], "not floats"),
+                        ([[1, 2]], "1-D sequence"), (np.array([3], dtype=np.uint64) << np.uint64(63), r"\[0, 10\)")):
+        with pytest.raises(InvalidArgumentError, match=needle):
+            generate(target, bad, cfg(), np.random.default_rng(0), draft)
+    with pytest.raises(InvalidArgumentError, match="config must be an edgespec.GenerationConfig.*got dict"):
+        generate(target, [1], {"max_new_tokens": 3}, np.random.default_rng(0), draft)
+    assert generate(target, np.array([1, 2], dtype=np.int32), cfg(), np.random.default_rng(0), draft).tokens
 
 
 def test_lenience_raises_acceptance():

@@ -393,7 +393,8 @@ def test_bench_refuses_flags_that_do_nothing_and_a_draft_too_short(tiny_bundle, 
     prompts = tmp_path / "p.txt"
     prompts.write_text("the cat sat on the mat and the dog sat on the log " * 2)
     assert main(["bench", str(tmp_path / "b"), "--prompts", str(prompts), *base]) == 2
-    assert "but the draft model takes at most 16" in capsys.readouterr().err
+    assert "but the draft model takes at most 15 (the last of its 16 positions is for the token it reads to draft)" \
+        in capsys.readouterr().err
     assert main(["bench", str(tmp_path / "b"), "--prompts", str(prompts), *base, "--draft", "ngram"]) == 0
 
 

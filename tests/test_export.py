@@ -691,13 +691,22 @@ def test_a_draft_with_fewer_positions_warns(tmp_path):
 
     eng = edgespec.load(tmp_path / "b")
     ids = [3 + i % 50 for i in range(40)]
-    with pytest.warns(EdgeSpecWarning, match="the prompt has 40 tokens and the draft model takes at most 32: decoding without") as seen:
+    with pytest.warns(EdgeSpecWarning, match="the prompt has 40 tokens and the draft model takes at most 31 .the last "
+                                             "of its 32 positions is for the token it reads to draft.: decoding without") as seen:
         out = eng.generate(ids, max_new_tokens=8, temperature=0)
     assert [w.filename for w in seen] == [__file__]
     assert out.stats.draft_calls == 0 and out.ids == eng.generate(ids, max_new_tokens=8, temperature=0, use_draft=False).ids
-    for kw in ({"drafter": "model"}, {"gamma": 3}):
-        with pytest.raises(PromptTooLongError, match="the draft model takes at most 32"):
-            eng.generate(ids, max_new_tokens=8, temperature=0, **kw)
+    # A prompt of 32 tokens fits the draft but leaves it no position to draft from: gamma=3 was ignored
+    # (no round drafted, no word said) while 33 tokens were refused (a trial's find); 31 drafts once.
+    for n in (40, 32):
+        for kw in ({"drafter": "model"}, {"gamma": 3}):
+            with pytest.raises(PromptTooLongError, match=f"prompt has {n} tokens but the draft model takes at most 31"):
+                eng.generate(ids[:n], max_new_tokens=8, temperature=0, **kw)
+    with pytest.warns(EdgeSpecWarning, match="the prompt has 32 tokens and the draft model takes at most 31"):
+        assert eng.generate(ids[:32], max_new_tokens=8, temperature=0).stats.rounds == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EdgeSpecWarning)
+        assert eng.generate(ids[:31], max_new_tokens=8, temperature=0, gamma=3).stats.rounds == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", EdgeSpecWarning)  # a prompt that fits: the draft, no warning
         assert eng.generate(ids[:20], max_new_tokens=8, temperature=0).stats.draft_calls > 0
