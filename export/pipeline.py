@@ -355,6 +355,48 @@ def export_bundle(target: str | Path, out: str | Path, draft: str | Path | None 
         return _export_bundle(target, out, draft, options, progress or (lambda message: None), xla)
 
 
+def _check_pair(t: Checkpoint, d: Checkpoint) -> None:
+    """A target and its draft: one family, else refused; warnings where the draft can gain little."""
+    if t.kind != d.kind:
+        raise UnsupportedArchitectureError(
+            f"target is {t.kind} ({t.model_type}) but draft is {d.kind} ({d.model_type}); both must be "
+            "decoder-only or both encoder-decoder: pick a draft of the target's family"
+        )
+    if t.path.resolve() == d.path.resolve():
+        warn("the draft is the target itself: every draft token is kept, but each costs a full target "
+             "step, so speculation is slower than plain decoding; pass a smaller draft")
+    ts, ds = (int(m.config.get("decoder_start_token_id") or 0) for m in (t, d))  # (none: 0, as the runtime)
+    if t.kind == contract.KIND_SEQ2SEQ and d.kind == contract.KIND_SEQ2SEQ and ts != ds:
+        warn(f"the draft's decoder starts from token {ds} and the target's from {ts}: the draft guesses "
+             "after another start (the output stays exact; fewer drafts may be kept): pass a draft that "
+             f"starts from token {ts} (decoder_start_token_id)")
+    tp, dp = contract.config_positions(t.config, t.kind), contract.config_positions(d.config, d.kind)
+    if tp is not None and dp is not None and dp < tp:
+        warn(f"the draft takes {dp} positions and the target {tp}: past {dp} tokens (prompt and output) "
+             "generation decodes plainly (so does a longer prompt, unless a drafter, gamma or lenience "
+             "is given: then it is refused); pass a draft with as many positions as the target for speculation "
+             "over the whole context")
+
+
+def _lower_xla(roles: dict[str, Checkpoint], tmp: Path, xla: dict, checked: dict, options: ExportOptions,
+               progress: Callable[[str], None]) -> dict:
+    """jax.export artifacts of each model into ``tmp/<role>/xla``; returns the manifest's summary per role."""
+    from .xla import export_xla, xla_summary
+
+    summary = {}
+    for role, ckpt in roles.items():
+        progress(f"{role}: lowering jax.export artifacts for {', '.join(xla.get('platforms', ('cpu',)))}")
+        # (a T5's encoder length as resolved by the check above: it warned about the default once)
+        source = {"max_source_length": checked[role]["max_source_length"]} if ckpt.kind == contract.KIND_SEQ2SEQ else {}
+        m = export_xla(ckpt.path, tmp / role,
+                       **{"atol": options.atol, "vocab_limit": tokenizer_size(load_vocab(ckpt.path)), **xla, **source})
+        v = m["validation"]
+        progress(f"{role}: XLA artifacts " + (f"not validated: {v['skipped']}" if "skipped" in v else
+                                              f"vs PyTorch: max |logits diff| {v['max_abs_diff']:.2e}"))
+        summary[role] = xla_summary(m)
+    return summary
+
+
 def _export_bundle(target, out, draft, options: ExportOptions, progress: Callable[[str], None],
                    xla: dict | None) -> BundleManifest:
     roles: dict[str, Checkpoint] = {contract.ROLE_TARGET: inspect_checkpoint(target, contract.ROLE_TARGET)}
@@ -363,26 +405,7 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
                                    "drop quantize_draft (quantize_target sets the target's precision)")
     if draft is not None:
         roles[contract.ROLE_DRAFT] = inspect_checkpoint(draft, contract.ROLE_DRAFT)
-        t, d = roles[contract.ROLE_TARGET], roles[contract.ROLE_DRAFT]
-        if t.kind != d.kind:
-            raise UnsupportedArchitectureError(
-                f"target is {t.kind} ({t.model_type}) but draft is {d.kind} ({d.model_type}); both must be "
-                "decoder-only or both encoder-decoder: pick a draft of the target's family"
-            )
-        if t.path.resolve() == d.path.resolve():
-            warn("the draft is the target itself: every draft token is kept, but each costs a full target "
-                 "step, so speculation is slower than plain decoding; pass a smaller draft")
-        ts, ds = (int(m.config.get("decoder_start_token_id") or 0) for m in (t, d))  # (none: 0, as the runtime)
-        if t.kind == contract.KIND_SEQ2SEQ and d.kind == contract.KIND_SEQ2SEQ and ts != ds:
-            warn(f"the draft's decoder starts from token {ds} and the target's from {ts}: the draft guesses "
-                 "after another start (the output stays exact; fewer drafts may be kept): pass a draft that "
-                 f"starts from token {ts} (decoder_start_token_id)")
-        tp, dp = contract.config_positions(t.config, t.kind), contract.config_positions(d.config, d.kind)
-        if tp is not None and dp is not None and dp < tp:
-            warn(f"the draft takes {dp} positions and the target {tp}: past {dp} tokens (prompt and output) "
-                 "generation decodes plainly (so does a longer prompt, unless a drafter, gamma or lenience "
-                 "is given: then it is refused); pass a draft with as many positions as the target for speculation "
-                 "over the whole context")
+        _check_pair(roles[contract.ROLE_TARGET], roles[contract.ROLE_DRAFT])
     layouts = {role: _kv_layout(ckpt, options) for role, ckpt in roles.items()}  # --graph refusals, before any loading
     if options.opset is not None and all(layout == contract.KV_STATIC for layout in layouts.values()):
         raise InvalidArgumentError(f"--opset sets the opset of optimum's traced graphs; these models get static-KV graphs "
@@ -452,21 +475,7 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
             # Actual embedding rows (config vocab_size may be absent or stale).
             tok_record = shared_vocab(load_vocab(tmp / contract.ROLE_TARGET), load_vocab(tmp / contract.ROLE_DRAFT),
                                       models[contract.ROLE_TARGET].vocab_size, models[contract.ROLE_DRAFT].vocab_size)
-        formats = {}
-        if xla is not None:
-            from .xla import export_xla, xla_summary
-
-            formats["xla"] = {}
-            for role, ckpt in roles.items():
-                progress(f"{role}: lowering jax.export artifacts for {', '.join(xla.get('platforms', ('cpu',)))}")
-                # (a T5's encoder length as resolved by the check above: it warned about the default once)
-                source = {"max_source_length": checked[role]["max_source_length"]} if ckpt.kind == contract.KIND_SEQ2SEQ else {}
-                m = export_xla(ckpt.path, tmp / role,
-                               **{"atol": options.atol, "vocab_limit": tokenizer_size(load_vocab(ckpt.path)), **xla, **source})
-                v = m["validation"]
-                progress(f"{role}: XLA artifacts " + (f"not validated: {v['skipped']}" if "skipped" in v else
-                                                      f"vs PyTorch: max |logits diff| {v['max_abs_diff']:.2e}"))
-                formats["xla"][role] = xla_summary(m)
+        formats = {} if xla is None else {"xla": _lower_xla(roles, tmp, xla, checked, options, progress)}
         manifest = BundleManifest(
             formats=formats,
             schema_version=contract.SCHEMA_VERSION,
