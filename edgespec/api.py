@@ -438,15 +438,24 @@ class Engine:
                 raise PromptTooLongError(f"max_new_tokens ({max_new}) exceeds the decoder's {limit} positions (the prompt "
                                          f"does not count: it goes to the encoder); lower max_new_tokens to at most {limit}",
                                          "max_new_tokens")
-        elif n_prompt > limit:
+            return
+        # XLA artifacts hold --max-length positions, which may be fewer than the model's (a trial was told
+        # "the target's 32 positions" of a 128-position model exported with --max-length 32)
+        model = self.manifest.target.max_positions
+        xla = getattr(self.target, "platform", None) is not None and limit < model
+        whose = "the XLA artifacts'" if xla else "the target's"
+        also = (f"; or re-export with a larger --max-length (the model has {model} positions), or drop runtime='xla' "
+                "(CLI --runtime xla): the ONNX graphs take them all") if xla else ""
+        if n_prompt > limit:
             raise PromptTooLongError(
-                f"prompt has {n_prompt} tokens but the target has {limit} positions; shorten the prompt so that "
-                f"prompt tokens + max_new_tokens - 1 <= {limit} (the last new token is not fed back)", "prompt")
-        elif n_prompt + max_new - 1 > limit:
+                f"prompt has {n_prompt} tokens but {'the XLA artifacts have' if xla else 'the target has'} {limit} "
+                f"positions; shorten the prompt so that "
+                f"prompt tokens + max_new_tokens - 1 <= {limit} (the last new token is not fed back){also}", "prompt")
+        if n_prompt + max_new - 1 > limit:
             raise PromptTooLongError(
-                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) needs {n_prompt + max_new - 1} of the target's "
+                f"prompt ({n_prompt} tokens) + max_new_tokens ({max_new}) needs {n_prompt + max_new - 1} of {whose} "
                 f"{limit} positions (the last new token is not fed back); shorten the prompt or lower max_new_tokens "
-                f"to at most {max(limit - n_prompt + 1, 0)}"
+                f"to at most {max(limit - n_prompt + 1, 0)}{also}"
             )
 
     def generate(self, prompt_or_ids, max_new_tokens: int = 64, temperature: float = 1.0, top_k: int = 0,

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
                       for r, m in manifest.models.items())
     # generation samples from the tokenizer's ids; embedding rows beyond them are padding
     vocab = f"; {manifest.sample_vocab_size} token ids"
-    if manifest.draft is not None and manifest.shared_vocab_size != manifest.sample_vocab_size:
-        vocab += f" ({manifest.shared_vocab_size} embedding rows)"
+    if any(m.vocab_size != manifest.sample_vocab_size for m in manifest.models.values()):
+        vocab += " (embedding rows: " + ", ".join(f"{r} {m.vocab_size}" for r, m in manifest.models.items()) + ")"
     print(f"wrote bundle {args.out}: {roles}{vocab}")
     return 0

@@ -95,6 +95,7 @@ def load_torch_model_at(path: Path, seq2seq: bool):
     # transformers fills parameters the files lack with random values and drops tensors the model
     # has no place for, with a warning only; the validation would then compare ONNX against the
     # same wrong model and pass. (Tied weights and buffers it knows to skip are not listed.)
+    _refuse_headless(path, model.config, sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ()))
     for key, what in (("missing_keys", "has no weights for"), ("unexpected_keys", "has weights the model has no place for:")):
         names = sorted(info.get(key) or ())
         if names:
@@ -107,6 +108,31 @@ def load_torch_model_at(path: Path, seq2seq: bool):
     # alike: the validation then blamed the graph ("try --graph optimum") instead of the weights.
     _refuse_non_finite(path, model.named_parameters())
     return model.eval()
+
+
+# the architectures whose checkpoints hold a head that predicts tokens
+_LM_HEAD_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def _refuse_headless(path: Path, config, missing: list[str], unexpected: list[str]) -> None:
+    """A checkpoint without its language-model head (lm_head) was refused with the general advice
+    that config.json does not describe the weights (a trial's find): say what is missing instead."""
+    head = [n for n in missing if n.split(".")[0] == "lm_head"]
+    if not head:
+        return
+    archs = [a for a in (getattr(config, "architectures", None) or []) if isinstance(a, str)]
+    if archs and not any(a.endswith(_LM_HEAD_SUFFIXES) for a in archs):
+        extra = f" (its {', '.join(unexpected[:2])} belong{'s' if len(unexpected) == 1 else ''} to a head of another task)" if unexpected else ""
+        raise CheckpointError(
+            f"{str(path)!r} holds a {archs[0]} checkpoint (config.json \"architectures\"), which has no language-model "
+            f"head{extra}: edgespec generates tokens, so export the model's causal-LM checkpoint (architectures "
+            f"such as {archs[0].split('For')[0].removesuffix('Model') or 'Llama'}ForCausalLM; T5: T5ForConditionalGeneration)")
+    if head == missing and not unexpected and getattr(config, "tie_word_embeddings", None) is False:
+        raise CheckpointError(
+            f"the checkpoint in {str(path)!r} has no weights for {head[0]} and its config.json says tie_word_embeddings "
+            "false (an output layer of its own): if the model shares its input embeddings with its output layer, set "
+            "\"tie_word_embeddings\": true in config.json; otherwise the checkpoint lacks its output layer: save it again "
+            "with save_pretrained(..., safe_serialization=True)")
 
 
 def _multi_token_t5_config_class():

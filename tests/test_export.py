@@ -66,7 +66,11 @@ def test_single_model_cli_and_int8(tiny_checkpoints, tmp_path, capsys):
     t = m["models"]["target"]
     assert t["quantization"] == "int8-rowwise" and "int8" in t["validation"]
     assert m["shared_vocab_size"] == t["vocab_size"]
-    assert "wrote bundle" in capsys.readouterr().out
+    assert f"; {tiny_models.TOKENIZER_SIZE} token ids (embedding rows: target 96)" in capsys.readouterr().out
+    # each model's rows, named (the line gave the smaller of the two, which read as the target's)
+    draft = tiny_models.make_llama(tmp_path / "d80", layers=1, vocab_size=80, seed=2)
+    assert main(["export", "--target", str(target), "--draft", str(draft), "--out", str(tmp_path / "pair"), "--quiet"]) == 0
+    assert "token ids (embedding rows: target 96, draft 80)" in capsys.readouterr().out
 
 
 def test_per_model_quantization(tiny_checkpoints, tiny_bundle, tmp_path):
@@ -158,6 +162,37 @@ def test_config_with_more_or_fewer_layers_than_the_weights(tiny_checkpoints, tmp
     (typed / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": str(layers)}))
     _cli_fails(["export", "--model", str(typed), "--out", str(tmp_path / "o-typed")], capsys,
                "check the values in config.json (one has the wrong type or is missing)")
+
+
+def test_a_checkpoint_without_its_lm_head(tiny_checkpoints, tmp_path, capsys):
+    """A LlamaModel or LlamaForSequenceClassification checkpoint (no lm_head) was refused with the
+    advice that config.json does not describe the weights (a trial's find); so was an untied model
+    whose lm_head.weight is missing. Each now says what is missing and what to export instead."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaModel
+
+    target, _ = tiny_checkpoints("llama")
+    cfg = LlamaConfig(**{k: v for k, v in json.loads((target / "config.json").read_text()).items()
+                         if k not in ("architectures", "model_type", "transformers_version")})
+    for cls, needle in ((LlamaModel, "holds a LlamaModel checkpoint (config.json \"architectures\"), which has no "
+                                     "language-model head: edgespec generates tokens, so export the model's causal-LM "
+                                     "checkpoint (architectures such as LlamaForCausalLM"),
+                        (LlamaForSequenceClassification, "holds a LlamaForSequenceClassification checkpoint (config.json "
+                                                         "\"architectures\"), which has no language-model head (its "
+                                                         "score.weight belongs to a head of another task)")):
+        folder = tmp_path / cls.__name__
+        cls(cfg).save_pretrained(folder, safe_serialization=True)
+        shutil.copy(target / "tokenizer.json", folder)
+        _cli_fails(["export", "--model", str(folder), "--out", str(tmp_path / "o")], capsys, needle)
+        assert _nothing_written(tmp_path / "o")
+    untied = tmp_path / "untied"  # tie_word_embeddings false, and no lm_head.weight in the file
+    shutil.copytree(target, untied)
+    w = load_file(untied / "model.safetensors")
+    del w["lm_head.weight"]
+    save_file(w, untied / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="has no weights for lm_head.weight and its config.json says "
+                                              "tie_word_embeddings false"):
+        export_bundle(untied, tmp_path / "o", progress=None)
 
 
 def test_quiet_silences_transformers_too(tiny_checkpoints, tmp_path, capsys):

@@ -51,6 +51,14 @@ def test_greedy_identical_across_runtimes(xla_bundle, arch):
         assert c.ids == a.ids, f"{arch} gamma={gamma}: lookahead on xla {c.ids}"
     plain = xla.generate(prompt, max_new_tokens=20, temperature=0.0, use_draft=False)
     assert plain.ids == a.ids
+    if arch != "t5":  # the artifacts' 64 positions, not the model's 128, are what is short (a trial was told "the target's")
+        from edgespec.errors import PromptTooLongError
+
+        long = [3 + i % 50 for i in range(60)]
+        with pytest.raises(PromptTooLongError, match=r"needs 79 of the XLA artifacts' 64 positions .*larger --max-length "
+                                                     r"\(the model has 128 positions\), or drop runtime='xla'"):
+            xla.generate(long, max_new_tokens=20, temperature=0.0)
+        assert len(onnx.generate(long, max_new_tokens=20, temperature=0.0).ids) == 20
     # the models themselves: logits of a prefill and a 3-token extend agree closely
     for backend in (onnx.target, xla.target):
         backend.free()
