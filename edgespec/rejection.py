@@ -58,14 +58,16 @@ def speculative_sample(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
     extra = next_draft() if next_draft is not None else None
     if extra is None:
         return Verdict(n, sample_index(p[g], rng.random()), BONUS, keep_p)
-    # A one-position round on the bonus: keep y with probability min(1, p(y) / (l q(y))), else draw
-    # from norm(max(0, p - l q)); at l = 1 the token is distributed as p_{g+1}, like the direct draw
-    # (Appendix A.1 with gamma = 1), and it is y as often as beta allows, which is what lets a
-    # LookaheadDrafter reuse the drafts it made after y.
+    # A one-position round on the bonus: keep y with probability min(1, p(y) / q(y)), else draw from
+    # norm(max(0, p - q)): the token is distributed as p_{g+1}, like the direct draw (Appendix A.1
+    # with gamma = 1), and it is y as often as beta allows, which is what lets a LookaheadDrafter
+    # reuse the drafts it made after y. Lenience stays out of it: A.5 relaxes the test of drafted
+    # tokens only, and the bonus is a draw from p whichever drafter runs (at l < 1 a lenient test
+    # here skewed the bonus toward the lookahead's guess: a review's find).
     y, qy = extra                                                 # int, [V]
-    if rng.random() * (lenience * qy[y]) < p[g, y]:
+    if rng.random() * qy[y] < p[g, y]:
         return Verdict(n, int(y), BONUS, keep_p)
-    return Verdict(n, _recover(p[g], qy, lenience, rng), BONUS, keep_p)
+    return Verdict(n, _recover(p[g], qy, 1.0, rng), BONUS, keep_p)
 
 
 def _recover(p: np.ndarray, q: np.ndarray, lenience: float, rng: np.random.Generator) -> int:

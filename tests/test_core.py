@@ -377,6 +377,27 @@ def test_bad_prompts():
     assert generate(target, np.array([1, 2], dtype=np.int32), cfg(), np.random.default_rng(0), draft).tokens
 
 
+@pytest.mark.parametrize("lenience", [1.0, 0.3])
+def test_a_bonus_decided_by_a_further_draft_is_drawn_from_p_at_any_lenience(lenience):
+    """The lookahead drafter's bonus is decided by testing its next draft y against p_{g+1}. A.5's
+    lenience relaxes the test of drafted tokens only; at l = 0.3 the bonus test was lenient too and
+    put 0.67 of the bonus mass on y's favourite where p gives it 0.2 (a review's find), so the two
+    drafters sampled from different distributions."""
+    from stats_helpers import chi2_pvalue
+
+    p = np.array([[1.0, 0.0, 0.0], [0.2, 0.3, 0.5]])   # [2, V]: x_1 = 0 is always kept; row 2 is the bonus's
+    q = np.array([[1.0, 0.0, 0.0]])                    # [1, V]
+    qy = np.array([0.9, 0.05, 0.05])                   # [V] the further draft's distribution
+    rng = np.random.default_rng(0)
+    n = 20_000
+
+    def next_draft():
+        return int(rng.choice(3, p=qy)), qy
+
+    tokens = [speculative_sample(np.array([0]), q, p, rng, lenience, next_draft).token for _ in range(n)]
+    assert chi2_pvalue(np.bincount(tokens, minlength=3), p[1]) > 1e-4
+
+
 def test_lenience_raises_acceptance():
     target, draft = toy_pair(vocab_size=30, order=2, noise=1.0, seed=3)
     rates = []
