@@ -410,7 +410,7 @@ class HybridDrafter(ModelDrafter):
                 self.replaced += 1
                 keeps, seen = self._rates
                 conf = float((keeps[0, n, b] + _PRIOR_LOOKUP) / (seen[n, b] + _PRIOR_SEEN))  # the length policy's signal
-        self._tail = self._tail[1:] + [int(ids[g])]
+        self._tail = (self._tail + [int(ids[g])])[-self.max_ngram:]  # (grows while the text is shorter than max_ngram)
         return conf
 
     @staticmethod

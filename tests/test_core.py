@@ -398,6 +398,22 @@ def test_a_bonus_decided_by_a_further_draft_is_drawn_from_p_at_any_lenience(leni
     assert chi2_pvalue(np.bincount(tokens, minlength=3), p[1]) > 1e-4
 
 
+def test_hybrid_lookups_use_the_whole_text_while_it_is_shorter_than_max_ngram():
+    """The hybrid drafter slid a fixed-length window over the text and its drafts, dropping the oldest
+    token even while the text was shorter than max_ngram (a review's find): lookups used a shorter
+    suffix than there was. Draft quality only; the output stays exact."""
+    from edgespec.drafters import HybridDrafter
+    from edgespec.toy import ToyBackend, ToyLM
+
+    d = HybridDrafter(ToyBackend(ToyLM(8, 2, seed=0)), max_ngram=4, min_ngram=2)
+    d.start(np.array([1, 2]))
+    seen, follower = [], d._index.follower
+    d._index.follower = lambda tail: (seen.append(list(tail)), follower(tail))[1]
+    ids, _, _ = d.propose([3], 3, SamplingConfig(0.0), np.random.default_rng(0), 8)
+    text = [1, 2, 3, *ids.tolist()]
+    assert seen == [text[:3], text[:4], text[1:5]][:len(seen)] and len(seen) == 3
+
+
 def test_lenience_raises_acceptance():
     target, draft = toy_pair(vocab_size=30, order=2, noise=1.0, seed=3)
     rates = []
