@@ -184,6 +184,28 @@ def _kv_layout(ckpt: Checkpoint, opts: ExportOptions) -> str:
     return contract.KV_CONCAT
 
 
+def _quantize(role: str, folder: Path, names, progress: Callable[[str], None]) -> str:
+    """int8 graphs in place of ``folder/<names>``; returns the manifest's quantization label ("none"
+    when no weight product could be converted)."""
+    causal = role == contract.ROLE_TARGET  # see quantize_int8_rowwise: a target must stay causal
+    progress(f"{role}: int8 {'per-token (rowwise)' if causal else 'dynamic'} quantization")
+    if not causal:
+        for name in names:
+            quantize_int8(folder / name)
+        return QUANT_LABEL[role]["int8"]
+    results = [quantize_int8_rowwise(folder / name) for name in names]
+    converted, skipped = sum(n for n, _ in results), collections.Counter(r for _, why in results for r in why)
+    reasons = "; ".join(f"{n} x {why}" for why, n in skipped.items())
+    if not converted:
+        warn(f"{role}: no MatMul or Gemm by a constant fp32 weight could be quantized"
+             f"{f' ({reasons})' if reasons else ''}; the target is exported in fp32")
+        return "none"
+    if skipped:
+        warn(f"{role}: {sum(skipped.values())} of {converted + sum(skipped.values())} weight products "
+             f"stay fp32 ({reasons}); the others are int8")
+    return QUANT_LABEL[role]["int8"]
+
+
 def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: str, opts: ExportOptions,
                 progress: Callable[[str], None]) -> tuple[ModelManifest, int]:
     from .onnx_export import export_graphs, load_torch_model
@@ -248,27 +270,10 @@ def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: s
     progress(f"{role}: validating ONNX Runtime vs PyTorch (prefill, 1-token and {validate.MULTI_STEP_TOKENS}-token steps, "
              f"a rewound round, {reach} {'decoder ' if seq2seq else ''}positions)")
     record = {"fp32": run_validation(f"{role} (fp32)", opts.atol)}
-    quant_label = QUANT_LABEL[role][quant]
-    if quant == "int8":
-        causal = role == contract.ROLE_TARGET  # see quantize_int8_rowwise: a target must stay causal
-        progress(f"{role}: int8 {'per-token (rowwise)' if causal else 'dynamic'} quantization")
-        if causal:
-            results = [quantize_int8_rowwise(folder / name) for name in files.values()]
-            converted, skipped = sum(n for n, _ in results), collections.Counter(r for _, why in results for r in why)
-            reasons = "; ".join(f"{n} x {why}" for why, n in skipped.items())
-            if not converted:
-                quant_label = "none"
-                warn(f"{role}: no MatMul or Gemm by a constant fp32 weight could be quantized"
-                     f"{f' ({reasons})' if reasons else ''}; the target is exported in fp32")
-            elif skipped:
-                warn(f"{role}: {sum(skipped.values())} of {converted + sum(skipped.values())} weight products "
-                     f"stay fp32 ({reasons}); the others are int8")
-        else:
-            for name in files.values():
-                quantize_int8(folder / name)
-        if quant_label != "none":  # nothing converted: the graphs are the fp32 ones validated above
-            progress(f"{role}: validating the int8 graphs vs PyTorch")
-            record["int8"] = run_validation(f"{role} (int8)", opts.quantized_atol, QUANTIZED_RTOL)
+    quant_label = _quantize(role, folder, files.values(), progress) if quant == "int8" else QUANT_LABEL[role][quant]
+    if quant_label != "none":  # (nothing converted: the graphs are the fp32 ones validated above)
+        progress(f"{role}: validating the int8 graphs vs PyTorch")
+        record["int8"] = run_validation(f"{role} (int8)", opts.quantized_atol, QUANTIZED_RTOL)
 
     pbytes = graph_info.parameter_bytes(step_graph)
     bytes_record = {"total": sum(graph_info.parameter_bytes(folder / f)["total"] for f in files.values()),
