@@ -35,6 +35,7 @@ from edgespec.runtimes import huge_pages
 from edgespec.bundle import ModelManifest
 from edgespec.errors import (
     BundleError,
+    EdgeSpecError,
     InsufficientMemoryError,
     InvalidArgumentError,
     ModelExecutionError,
@@ -169,8 +170,9 @@ def make_session(path: Path, cfg: SessionConfig):
                 f"onnxruntime does not support ({msg[-200:].strip()}); upgrade onnxruntime (pip install -U onnxruntime) "
                 "or re-export the bundle with a supported opset (`edgespec export --opset N`)"
             ) from exc
-        raise BundleError(f"ONNX Runtime cannot load {path}: {msg}; the file is corrupt or not an edgespec "
-                          "export: re-export the bundle") from exc
+        raise _ort_failure(f"ONNX Runtime cannot load {path}", msg) or BundleError(
+            f"ONNX Runtime cannot load {path}: {msg}; the file is corrupt or not an edgespec export: re-export the "
+            "bundle") from exc
     if before is not None:
         huge_pages.collapse_new(before)
     missing = [p for p in providers if p not in sess.get_providers()]
@@ -226,9 +228,32 @@ class _Binder:
         try:  # free when nothing is raised (zero-cost exceptions)
             self._run(self._c, self._opts)
         except Exception as exc:  # ORT's Fail / InvalidArgument / RuntimeException
-            raise ModelExecutionError(
-                f"ONNX Runtime failed running {self._where}: {_one_line(exc)}; the graph does not match its "
-                "manifest (corrupt or hand-edited file): re-export the bundle with `edgespec export`") from exc
+            msg = _one_line(exc)
+            raise _ort_failure(f"ONNX Runtime failed running {self._where}", msg) or ModelExecutionError(
+                f"ONNX Runtime failed running {self._where}: {msg}; the graph does not match its manifest (corrupt or "
+                "hand-edited file): re-export the bundle with `edgespec export`") from exc
+
+
+# ONNX Runtime's words for failures that no re-export fixes: the memory, or the provider's device
+_OUT_OF_MEMORY = ("failed to allocate", "bad_alloc", "out of memory", "cudaerrormemoryallocation")
+_DEVICE = ("cuda error", "cudnn", "cublas", "cufft", "curand", "hip error", "rocm", "dml", "coreml", "qnn", "openvino",
+           "tensorrt")
+
+
+def _ort_failure(what: str, msg: str) -> EdgeSpecError | None:
+    """The typed error for an ONNX Runtime failure caused by memory or by an execution provider's
+    device (their advice is not to re-export: a review found an allocation failure told so); None
+    for the others, which a corrupt or hand-edited graph explains."""
+    low = msg.lower()
+    if any(k in low for k in _OUT_OF_MEMORY):
+        return InsufficientMemoryError(
+            f"{what}: {msg}; the model's buffers do not fit in memory: free memory (close other engines or "
+            "programs), use a shorter prompt or fewer new tokens, or a smaller (or int8) export")
+    if any(k in low for k in _DEVICE):
+        return ModelExecutionError(
+            f"{what}: {msg}; the execution provider's device or libraries failed: check its drivers, or run on "
+            "another provider (providers=['cpu'], CLI --provider cpu)")
+    return None
 
 
 def _alloc(shape, dtype, count: int, kv) -> np.ndarray:

@@ -357,6 +357,30 @@ HANDMADE = [
 ]
 
 
+@pytest.mark.parametrize("status,error,needle", [
+    ("Failed to allocate memory for requested buffer of size 2147483648", "InsufficientMemoryError",
+     "do not fit in memory: free memory"),
+    ("CUDA error cudaErrorLaunchFailure:unspecified launch failure", "ModelExecutionError",
+     "the execution provider's device or libraries failed"),
+    ("Got invalid dimensions for input: past_key_values.0.key", "ModelExecutionError", "re-export the bundle"),
+])
+def test_onnx_runtime_failures_get_the_advice_of_their_cause(status, error, needle):
+    """Every ONNX Runtime run failure said "the graph does not match its manifest: re-export", an
+    allocation failure included, which no re-export fixes (a review's find)."""
+    import edgespec.errors
+    from edgespec.runtimes.onnx_backend import _Binder
+
+    def run(_c, _opts):  # what ORT raises, as it words it
+        raise RuntimeError("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running "
+                           f"MatMul node. Name:'/lm_head/MatMul' Status Message: {status}")
+
+    binder = _Binder.__new__(_Binder)
+    binder._where, binder._c, binder._opts, binder._run = "decoder.onnx", None, None, run
+    with pytest.raises(getattr(edgespec.errors, error), match=f"ONNX Runtime failed running decoder.onnx: .*{needle}") as info:
+        binder.run()
+    assert isinstance(info.value, EdgeSpecError) and type(info.value).__name__ == error
+
+
 @pytest.mark.parametrize("kwargs,needle", HANDMADE, ids=[n or "ok" for _, n in HANDMADE])
 def test_handmade_onnx_with_missing_inputs(bundle_copy, capsys, kwargs, needle):
     b = bundle_copy()
