@@ -325,16 +325,21 @@ def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
 # ---- minimal protobuf walk over an ONNX ModelProto ------------------------------------------------
 # Wire format: each field is a varint key (field_number << 3 | wire_type) followed by a varint
 # (type 0), 8 bytes (1), a varint length + bytes (2) or 4 bytes (5). We descend only into the
-# messages that can hold tensors: ModelProto.graph (7) and .functions (25), GraphProto.node (1),
-# .initializer (5), .sparse_initializer (15), NodeProto.attribute (5), FunctionProto.node (7),
-# AttributeProto.t (5) .g (6) .tensors (10) .graphs (11), SparseTensorProto.values (1) .indices (2),
-# TensorProto.external_data (13) holding StringStringEntryProto {key 1, value 2}.
+# messages that can hold tensors: ModelProto.graph (7), .training_info (20) and .functions (25),
+# TrainingInfoProto.initialization (1) .algorithm (2), GraphProto.node (1), .initializer (5),
+# .sparse_initializer (15), NodeProto.attribute (5), FunctionProto.node (7) .attribute_proto (11),
+# AttributeProto.t (5) .g (6) .tensors (10) .graphs (11) .sparse_tensor (22) .sparse_tensors (23),
+# SparseTensorProto.values (1) .indices (2), TensorProto.external_data (13) holding
+# StringStringEntryProto {key 1, value 2}. (A Constant's sparse_value with external data passed
+# unseen, and ONNX Runtime read it, from outside the folder through a hard link: a review's find.)
 
+_MODEL_CHILDREN = {7: "graph", 20: "training", 25: "function"}
+_TRAINING_CHILDREN = {1: "graph", 2: "graph"}
 _GRAPH_CHILDREN = {1: "node", 5: "tensor", 15: "sparse"}
 _NODE_CHILDREN = {5: "attribute"}
-_ATTR_CHILDREN = {5: "tensor", 6: "graph", 10: "tensor", 11: "graph"}
+_ATTR_CHILDREN = {5: "tensor", 6: "graph", 10: "tensor", 11: "graph", 22: "sparse", 23: "sparse"}
 _SPARSE_CHILDREN = {1: "tensor", 2: "tensor"}
-_FUNCTION_CHILDREN = {7: "node"}
+_FUNCTION_CHILDREN = {7: "node", 11: "attribute"}
 
 
 class _Truncated(Exception):
@@ -388,7 +393,7 @@ def _fields(buf, start: int, end: int):
 def _external_locations(buf, start: int, end: int, kind: str, out: list[tuple[str, str, str]]) -> None:
     """Appends (location, offset, length) of every external-data tensor (the entries' strings)."""
     children = {"graph": _GRAPH_CHILDREN, "node": _NODE_CHILDREN, "attribute": _ATTR_CHILDREN,
-                "sparse": _SPARSE_CHILDREN, "function": _FUNCTION_CHILDREN}.get(kind)
+                "sparse": _SPARSE_CHILDREN, "function": _FUNCTION_CHILDREN, "training": _TRAINING_CHILDREN}.get(kind)
     if kind == "tensor":
         entries: dict[bytes, str] = {}
         for num, wt, a, b in _fields(buf, start, end):
@@ -422,11 +427,9 @@ def _external_data(path: Path) -> list[tuple[str, str, str]]:
         saw_graph = False
         try:
             for num, wt, a, b in _fields(buf, 0, size):
-                if wt == 2 and num == 7:
-                    saw_graph = True
-                    _external_locations(buf, a, b, "graph", locations)
-                elif wt == 2 and num == 25:
-                    _external_locations(buf, a, b, "function", locations)
+                if wt == 2 and num in _MODEL_CHILDREN:
+                    saw_graph = saw_graph or num == 7
+                    _external_locations(buf, a, b, _MODEL_CHILDREN[num], locations)
         except (_Truncated, RecursionError):
             raise BundleError(
                 f"{path} is truncated or corrupt (not a complete ONNX protobuf); copy it again or re-export the bundle"

@@ -146,6 +146,41 @@ def test_external_data_outside_folder(bundle_copy, location):
         load_bundle(b)
 
 
+@pytest.mark.parametrize("where", ["sparse_value", "sparse_initializer", "function_attribute", "training_info"])
+def test_external_data_in_every_place_a_tensor_can_sit(tmp_path, where):
+    """A Constant's sparse_value (AttributeProto field 22) with external data passed the check unseen,
+    and ONNX Runtime read it: from outside the folder through a hard link even on 1.32 (a review's
+    find). Every place ONNX keeps a tensor is walked now."""
+    from onnx import TensorProto, helper
+
+    from edgespec.bundle import check_onnx_file
+
+    values = TensorProto(name="v", data_type=TensorProto.FLOAT, dims=[4])
+    values.data_location = TensorProto.EXTERNAL
+    for k, v in (("location", "../secret.bin"), ("offset", "0"), ("length", "16")):
+        e = values.external_data.add()
+        e.key, e.value = k, v
+    sparse = helper.make_sparse_tensor(values, helper.make_tensor("i", TensorProto.INT64, [4], [0, 1, 2, 3]), [1, 4])
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    node = helper.make_node("Constant", [], ["y"], sparse_value=sparse) if where == "sparse_value" else \
+        helper.make_node("Identity", ["v"], ["y"])
+    graph = helper.make_graph([node], "g", [], [out], sparse_initializer=[sparse] if where == "sparse_initializer" else [])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    if where == "function_attribute":
+        fn = helper.make_function("custom", "f", [], ["z"], [helper.make_node("Constant", [], ["z"], value_float=1.0)],
+                                  [helper.make_opsetid("", 17)])
+        fn.attribute_proto.append(helper.make_attribute("w", values))
+        model.functions.append(fn)
+    elif where == "training_info":
+        model.training_info.add().initialization.CopyFrom(helper.make_graph([], "init", [], [], initializer=[values]))
+    path = tmp_path / "model" / "decoder_model.onnx"
+    path.parent.mkdir()
+    path.write_bytes(model.SerializeToString())
+    assert onnx_external_data_locations(path) == ["../secret.bin"]
+    with pytest.raises(UnsafeFileError, match="outside its model folder"):
+        check_onnx_file(path)
+
+
 def test_external_data_symlink_and_hardlink(bundle_copy, tmp_path):
     b = bundle_copy()
     secret = tmp_path / "secret.bin"
