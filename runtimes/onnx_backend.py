@@ -184,6 +184,27 @@ def make_session(path: Path, cfg: SessionConfig):
     return sess
 
 
+# The oldest onnxruntime whose GroupQueryAttention the static-KV graphs can trust: 1.18 and 1.19 load
+# them but compute a call of k > 1 tokens over a cache wrongly (logits 0.3 off on a tiny Llama while
+# 1-token steps are right), so plain decoding looks fine and speculative output is not the target's;
+# 1.17 cannot load them (a review's find, run on 1.17.3-1.32.0).
+STATIC_KV_MIN_ORT = (1, 20)
+
+
+def _check_static_kv_support(path: Path) -> None:
+    import re
+
+    import onnxruntime as ort
+
+    found = re.match(r"(\d+)\.(\d+)", ort.__version__)
+    if found is not None and tuple(map(int, found.groups())) < STATIC_KV_MIN_ORT:
+        need = ".".join(map(str, STATIC_KV_MIN_ORT))
+        raise BundleError(
+            f"{path} is a static-KV graph (GroupQueryAttention), which needs onnxruntime >= {need}; this is "
+            f"{ort.__version__}, whose multi-token steps over a cache are wrong: pip install -U 'onnxruntime>={need}' "
+            "(or re-export with `--graph optimum`)")
+
+
 def _float_type(sess, name: str):
     t = next(i.type for i in sess.get_inputs() if i.name == name)
     if t == "tensor(float)":
@@ -415,11 +436,13 @@ class OnnxDecoderBackend(_PositionCache):
         self.max_length = model.max_positions
         check_positions(folder, model)
         path = Path(folder) / model.files["decoder"]
+        static = model.kv_layout == contract.KV_STATIC
+        if static:
+            _check_static_kv_support(path)
         self._sess = make_session(path, session)
         names = {i.name for i in self._sess.get_inputs()}
         self._past = contract.decoder_past_names(model.num_layers)
         self._present = contract.decoder_present_names(model.num_layers)
-        static = model.kv_layout == contract.KV_STATIC
         check_graph_io(self._sess, path, model,
                        required_inputs=(contract.INPUT_IDS, *self._past, *((contract.ATTENTION_MASK,) if static else ())),
                        optional_inputs=() if static else (contract.ATTENTION_MASK, contract.POSITION_IDS),

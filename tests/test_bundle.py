@@ -181,6 +181,25 @@ def test_external_data_in_every_place_a_tensor_can_sit(tmp_path, where):
         check_onnx_file(path)
 
 
+def test_static_kv_graphs_refused_on_an_onnxruntime_that_computes_them_wrongly(tiny_bundle, monkeypatch):
+    """onnxruntime 1.18-1.19 load the static-KV graphs but get every verify call (k > 1 tokens over a
+    cache) wrong while plain steps are right: speculative output would silently not be the target's
+    (a review's find; 1.17 failed to load them, advised to re-export). pyproject asks for >= 1.20."""
+    import onnxruntime
+
+    import edgespec
+
+    bundle = tiny_bundle("llama")
+    assert edgespec.load(bundle).manifest.target.kv_layout == contract.KV_STATIC
+    for old in ("1.19.2", "1.17.3"):
+        monkeypatch.setattr(onnxruntime, "__version__", old)
+        with pytest.raises(BundleError, match=rf"static-KV graph .GroupQueryAttention., which needs onnxruntime >= 1.20; "
+                                              rf"this is {old}.*pip install -U 'onnxruntime>=1.20'"):
+            edgespec.load(bundle)
+    monkeypatch.setattr(onnxruntime, "__version__", "1.20.1")
+    edgespec.load(bundle)
+
+
 def test_external_data_symlink_and_hardlink(bundle_copy, tmp_path):
     b = bundle_copy()
     secret = tmp_path / "secret.bin"
