@@ -87,7 +87,7 @@ def _check_fields(manifest: dict, mpath: Path) -> None:
         raise bad("model_type (a string) and encoder_decoder (true/false) are required")
     arts = manifest.get("artifacts")
     if not isinstance(arts, dict) or not all(
-            isinstance(entries, dict) and all(isinstance(k, str) and k.isdigit() and isinstance(e, dict)
+            isinstance(entries, dict) and all(isinstance(k, str) and k.isascii() and k.isdigit() and isinstance(e, dict)
                                               and isinstance(e.get("file"), str) for k, e in entries.items())
             for entries in arts.values()):
         raise bad("artifacts must map kind -> {size: {file, sha256}}")

@@ -590,6 +590,8 @@ def test_missing_and_unsafe_bundles(root, exported):
     (lambda m: m.pop("vocab_size"), "vocab_size must be a positive integer"),
     (lambda m: m.update(max_length="abc"), "max_length must be a positive integer"),
     (lambda m: m.update(artifacts=[]), "artifacts must map kind"),
+    (lambda m: m["artifacts"]["extend"].update({"\u00b2": m["artifacts"]["extend"]["1"]}), "artifacts must map kind"),  # (a
+    # size "²" passed isdigit() and int("²") raised a bare ValueError: a review's find)
     (lambda m: m["weights"].update(tensors={}), "weights.tensors"),
     (lambda m: m.update(max_length=m["max_length"] + 60), "do not match xla.json"),   # writes would clamp silently
     (lambda m: m.update(vocab_size=50), "do not match xla.json"),
