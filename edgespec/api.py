@@ -521,7 +521,11 @@ class Engine:
                  f"decoding takes the target's argmax; drop {'it' if len(ignored) == 1 else 'them'} or set a temperature above 0")
         ids = self._prompt_ids(prompt_or_ids)
         self._check_lengths(len(ids), config.max_new_tokens)
-        if use_draft and len(ids) > draft_prompt_limit(self.draft):
+        # The draft cannot take the prompt, or takes it but has no position left to draft from: only
+        # said where the target itself leaves room for a drafted round (3+ new tokens, 2+ free positions).
+        target_room = config.max_new_tokens >= 3 and (self.manifest.target.kind == contract.KIND_SEQ2SEQ
+                                                      or len(ids) + 2 <= self.target.max_length)
+        if use_draft and (len(ids) > prompt_limit(self.draft) or (len(ids) > draft_prompt_limit(self.draft) and target_room)):
             if asked is not None or idle:  # the draft was asked for
                 raise PromptTooLongError(
                     f"prompt has {len(ids)} tokens but the draft model {draft_limit_words(self.draft)}; "
