@@ -20,15 +20,22 @@ from .prompts import CODE_PROMPTS
 from .report import OtherLoad, machine_description, warn_if_busy
 
 
+DEMO_MAX_NEW_TOKENS = 96
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="quick", help="pair preset: quick (default, minutes), bench (about 40 minutes on 2 cores) or tiny (seconds; a smoke test)")
+    from .pair import PRESETS
+
+    p.add_argument("--preset", default="quick", choices=sorted(PRESETS),
+                   help="pair preset: quick (default, minutes), bench (about 40 minutes on 2 cores) or tiny (seconds; a smoke test)")
     p.add_argument("--corpus", nargs="*", type=Path, default=None,
-                   help="text files to train on (default: this Python's standard library source)")
+                   help="text files or folders to train on (default: this Python's standard library source)")
     p.add_argument("--gamma", default="4,auto",
                    help="draft tokens per round, or 'auto' (adaptive, the default of `edgespec generate` and the API); "
                         "a comma list measures each side by side, and the streamed generation uses the first "
                         "(default 4,auto)")
-    p.add_argument("--max-new-tokens", type=at_least(1), default=96, help="tokens per prompt (default 96)")
+    p.add_argument("--max-new-tokens", type=at_least(1), default=None,
+                   help=f"tokens per prompt (default {DEMO_MAX_NEW_TOKENS}, at most half the pair's positions: 16 for tiny)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="measured repeats after one warm-up (default 3)")
     p.add_argument("--threads", type=at_least(0), default=1,
                    help="ONNX Runtime intra-op threads of the target (default 1; 0: ONNX Runtime's default); the draft runs on 1")
@@ -115,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
     # every option is checked before minutes of training
     gammas = parse_list(args.gamma, lambda x: parse_gamma(x, "--gamma"), "gamma")
     positions = get_preset(args.preset).context  # the pair's models are trained for this many positions
+    if args.max_new_tokens is None:  # (96 left the tiny pair's 32 positions no room: a trial's find)
+        args.max_new_tokens = min(DEMO_MAX_NEW_TOKENS, positions // 2)
     if args.max_new_tokens >= positions:
         raise InvalidArgumentError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
                                    f"{args.preset} pair's {positions} positions; lower it")

@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -472,7 +473,9 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
         damage = _damage(dest)
         if damage:
             raise OutputExistsError(f"{dest} holds a damaged pair ({damage}); "
-                                    + ("delete it to retrain it" if out is None else "pass --overwrite to retrain it"))
+                                    + (f"delete it to retrain it, or retrain it there: edgespec train-pair --out "
+                                       f"{shlex.quote(str(dest))} --overwrite (and the same --preset/--corpus/--seed)"
+                                       if out is None else "pass --overwrite to retrain it"))
         if progress:
             print(f"edgespec: reusing the trained pair in {dest}", file=sys.stderr)
         return True

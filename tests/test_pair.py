@@ -225,8 +225,12 @@ def test_a_damaged_pair_is_not_reused(pair, corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGESPEC_CACHE", str(tmp_path / "cache"))   # the cached pair: deleting it retrains it
     cached = default_pair_dir("tiny", corpus)
     shutil.copytree(out, cached)
-    with pytest.raises(OutputExistsError, match=r"truncated or corrupt\); delete it to retrain it"):
+    with pytest.raises(OutputExistsError, match=r"truncated or corrupt\); delete it to retrain it, or retrain it there: "
+                                                r"edgespec train-pair --out \S+ --overwrite"):
         train_pair("tiny", corpus, progress=False)
+    # what the message (and the README) advise: --out the cached folder, --overwrite (--overwrite alone is refused)
+    assert train_pair("tiny", corpus, cached, overwrite=True, progress=False) == cached
+    assert train_pair("tiny", corpus, progress=False) == cached and _weights(cached) == _weights(pair)
 
 
 def test_overwrite_without_out_is_an_error(capsys):
