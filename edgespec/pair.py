@@ -529,6 +529,10 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
     import torch
 
     with _lock(work):
+        if _finished(work, ident):  # trained, then stopped while being moved into place: move it now
+            if progress:
+                print(f"edgespec: {work} holds this recipe's finished pair; moving it to {dest}", file=sys.stderr)
+            return _move_into_place(work, dest, overwrite)
         ident_path = work / "identity.json"
         if ident_path.is_file():
             try:
@@ -625,10 +629,26 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
         check_swap(dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)  # refused now: the work folder still resumes
         for name in ("identity.json", "tokenizer.json", "target.json", "draft.json", "target.state.pt", "draft.state.pt"):
             (work / name).unlink(missing_ok=True)
+        # From here the work folder is a finished pair (pair.json names its recipe): stopped before the
+        # rename, the same command moves it into place (it was refused as "not a work folder").
         _write_json_atomic(meta, work / "pair.json")
-        (work / ".lock").unlink(missing_ok=True)
-        usual_permissions(work, recursive=True)  # safetensors writes the weights 0600
-        swap_into_place(work, dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)  # --overwrite: the old one goes
+        return _move_into_place(work, dest, overwrite)
+
+
+def _finished(work: Path, ident: dict) -> bool:
+    """The work folder holds a finished, undamaged pair of this recipe (stopped as it was moved)."""
+    try:
+        meta = json.loads((work / "pair.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("identity") == ident and _damage(work) is None
+
+
+def _move_into_place(work: Path, dest: Path, overwrite: bool) -> Path:
+    check_swap(dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)
+    (work / ".lock").unlink(missing_ok=True)
+    usual_permissions(work, recursive=True)  # safetensors writes the weights 0600
+    swap_into_place(work, dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)  # --overwrite: the old one goes
     return dest
 
 

@@ -146,6 +146,27 @@ def test_resume_after_interruption(pair, corpus, tmp_path, stop_role, stop_step,
     assert not work.exists()
 
 
+def test_a_pair_stopped_while_moved_into_place_is_moved_by_the_rerun(pair, corpus, tmp_path, monkeypatch, capsys):
+    """Ctrl-C or SIGTERM after training, as the work folder was renamed into place: the run said
+    "run the same command again to resume", and the rerun refused the finished work folder ("not an
+    edgespec work folder; delete or move it"): a review's find. The rerun now moves it into place."""
+    out = tmp_path / "p"
+    real = pair_mod.swap_into_place
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pair_mod, "swap_into_place", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        train_pair("tiny", corpus, out, progress=False)
+    assert not out.exists() and (out.with_name("p.work") / "pair.json").is_file()
+    monkeypatch.setattr(pair_mod, "swap_into_place", real)
+    seen: list = []
+    assert train_pair("tiny", corpus, out, progress=True, callback=lambda r, s: seen.append(r)) == out
+    assert not seen and _weights(out) == _weights(pair) and not out.with_name("p.work").exists()  # not retrained
+    assert "holds this recipe's finished pair; moving it to" in capsys.readouterr().err
+
+
 def test_another_recipes_saved_training_is_not_discarded_unasked(corpus, tmp_path):
     """An interrupted run's saved training was deleted ("discarding stale work folder") when the
     same --out was given another recipe (here a seed), without --overwrite."""
@@ -348,6 +369,13 @@ def test_copies_of_a_file_stay_on_one_side_of_the_split(tmp_path):
         (same / f"s{i}.txt").write_text("".join(f"line {j}\n" for j in range(200)))
     c = load_documents(sorted(same.iterdir()))   # only copies of one file: its lines are split
     assert len(c.train_docs) == 1 and len(c.heldout_docs) == 1 and "5%" in c.description["heldout_rule"]
+    # a header line and one long line (a CSV row, a minified file): the tail is 5%, not all but the
+    # header (it was cut at the first line break below 95%: a review's find)
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "data.csv").write_text("a,b,c\n" + ",".join(str(i) for i in range(20000)))
+    c = load_documents([one / "data.csv"])
+    assert 0.04 < c.description["heldout_bytes"] / c.description["bytes"] < 0.06, c.description
 
 
 def test_presets_are_sized_as_documented():
