@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,12 +124,13 @@ class _Detokenizer:
 class _Lease:
     """The right to use an Engine's backends for one generate call (or one stream)."""
 
-    __slots__ = ("thread", "revoked", "stepping")
+    __slots__ = ("thread", "revoked", "stepping", "closed")
 
     def __init__(self):
         self.thread = threading.get_ident()
         self.revoked = False
         self.stepping = False  # a step is running on the backends now (in whichever thread)
+        self.closed = False    # released while a step ran: the engine is given back when that step ends
 
 
 class _EngineGuard:
@@ -144,6 +146,8 @@ class _EngineGuard:
 
     def acquire(self) -> _Lease:
         lease = _Lease()
+        # (one deadline: each step of the holder wakes the waiters, which restarted the full timeout)
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._cond:
             while self._holder is not None:
                 if self._holder.thread == lease.thread:
@@ -152,7 +156,11 @@ class _EngineGuard:
                         break
                     self._cond.wait()
                     continue
-                if not self._cond.wait(self.timeout):
+                if deadline is None:
+                    self._cond.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if (left <= 0 or not self._cond.wait(left)) and self._holder is not None:
                     raise EngineBusyError(
                         f"the engine is still busy with another thread's generate call after {self.timeout} s; "
                         "finish or close that stream first, or load one engine per thread (edgespec.load)")
@@ -170,12 +178,20 @@ class _EngineGuard:
     def end_step(self, lease: _Lease) -> None:
         with self._cond:
             lease.stepping = False
+            if lease.closed and self._holder is lease:
+                self._holder = None
             self._cond.notify_all()
 
     def release(self, lease: _Lease | None) -> None:
         if lease is None:
             return
         with self._cond:
+            if lease.stepping:
+                # Closed from another thread (a cancel button) while the stream's step runs in its
+                # consumer's: giving the engine back now let the next call prefill caches that step
+                # then wrote to (a review's find). The step ends first; end_step gives it back.
+                lease.revoked = lease.closed = True
+                return
             if self._holder is lease:
                 self._holder = None
                 self._cond.notify_all()
@@ -274,7 +290,10 @@ class TextStream:
         self._core.close()
         held, self._held = self._held, None
         if held is not None:
-            held.close()  # its generator ends here (a closed stream's next() then says it was closed)
+            try:
+                held.close()  # its generator ends here (a closed stream's next() then says it was closed)
+            except ValueError:  # "generator already executing": next(stream) runs in another thread, and
+                pass            # its loop ends after the running step (the core is closed)
 
     def __enter__(self) -> "TextStream":
         return self

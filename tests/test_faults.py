@@ -344,6 +344,73 @@ def test_a_stream_handed_to_another_thread_is_waited_for_mid_step(engine, tiny_b
         assert ids == ref[2]
 
 
+@pytest.mark.parametrize("consume", ["for", "next"])
+def test_a_stream_closed_from_another_thread_mid_step_keeps_the_engine_until_the_step_ends(engine, tiny_bundle,
+                                                                                         monkeypatch, consume):
+    """close() from another thread (a cancel button) while the consumer's step ran gave the engine
+    back at once: the next call prefilled caches the old step then wrote to (other output), and with
+    next(stream) close() raised "generator already executing" (a review's finds)."""
+    ref = _reference(tiny_bundle("gpt2"), [2], **KW)
+    s = engine.generate(PROMPT, seed=1, stream=True, **KW)
+    entered, release, errors = threading.Event(), threading.Event(), []
+    real_extend = engine.target.extend
+
+    def held_extend(*args, **kwargs):                 # the consumer's step stops inside the target's call
+        if threading.current_thread() is worker and not release.is_set():
+            entered.set()
+            release.wait(30)
+        return real_extend(*args, **kwargs)
+
+    def run():
+        try:
+            if consume == "for":
+                list(s)
+            else:
+                while True:
+                    next(s)
+        except (StopIteration, InvalidArgumentError):  # (next() after close: "the stream was closed")
+            pass
+        except Exception as exc:
+            errors.append(exc)
+
+    monkeypatch.setattr(engine.target, "extend", held_extend)
+    worker = threading.Thread(target=run)
+    worker.start()
+    assert entered.wait(30)
+    s.close()                                         # from this thread, while the worker's step runs
+    threading.Timer(0.3, release.set).start()
+    ids = engine.generate(PROMPT, seed=2, **KW).ids
+    assert release.is_set()                           # the call waited for that step
+    worker.join(30)
+    assert not errors and ids == ref[2]
+
+
+def test_busy_timeout_counts_from_the_call_while_the_holder_makes_progress(engine, tiny_bundle, monkeypatch):
+    """Each step of the holder woke the waiters, and each wake-up restarted the timeout: a call with
+    busy_timeout=0.5 waited out a 5 s generation (a review's find)."""
+    real_extend = engine.target.extend
+    monkeypatch.setattr(engine.target, "extend", lambda *a, **k: (time.sleep(0.03), real_extend(*a, **k))[1])
+    started = threading.Event()
+
+    def long_call():
+        started.set()
+        engine.generate(PROMPT, max_new_tokens=60, temperature=0, use_draft=False)   # about 2 s
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    started.wait(30)
+    time.sleep(0.2)
+    engine.busy_timeout = 0.3
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(EngineBusyError, match="busy with another thread"):
+            engine.generate(PROMPT, max_new_tokens=2, temperature=0, use_draft=False)
+        assert time.perf_counter() - t0 < 1.0
+    finally:
+        engine.busy_timeout = None
+        t.join(60)
+
+
 def test_busy_timeout_refuses_clearly(engine, tiny_bundle):
     ref = _reference(tiny_bundle("gpt2"), [3], **KW)
     started, release = threading.Event(), threading.Event()
