@@ -282,8 +282,12 @@ def run(args: argparse.Namespace) -> int:
         # matplotlib), the folder held this run's bench.json beside the last run's plots.
         for name in ("bench.json", *PLOT_FILES):
             (args.out / name).unlink(missing_ok=True)
-        write_json(args.out / "bench.json", payload)
-        written = plot(rows, args.out)
+        try:
+            write_json(args.out / "bench.json", payload)
+            written = plot(rows, args.out)
+        except OSError:  # a full disk: the measurement is not lost with the file (the error follows)
+            print(format_table(rows))
+            raise
     print(format_table(rows))
     _print_notes(rows, versus)
     print(note)

@@ -188,10 +188,16 @@ def write_json(path: Path, payload: dict) -> None:
     """Write atomically (a temporary file renamed into place), readable as the umask allows."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(json_safe(payload), f, indent=2, default=float, allow_nan=False)
-    usual_permissions(tmp)  # mkstemp makes it private (0600)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(json_safe(payload), f, indent=2, default=float, allow_nan=False)
+        usual_permissions(tmp)  # mkstemp makes it private (0600)
+        os.replace(tmp, path)
+    except BaseException as exc:  # (a full disk left the partial temporary file behind, and no name)
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = str(path)  # the CLI's message names the file
+        raise
 
 
 PLOT_FILES = ("speedup.png", "accepted_hist.png")  # what plot() writes into a bench --out

@@ -149,6 +149,28 @@ def test_bench_writes_its_report_before_printing(tiny_bundle, tmp_path, monkeypa
     assert len(json.loads((tmp_path / "r" / "bench.json").read_text())["results"]) == 1
 
 
+def test_bench_on_a_full_disk_prints_its_table_and_names_the_file(tiny_bundle, tmp_path, monkeypatch, capsys):
+    """A full disk under --out lost the whole measurement (nothing printed), left a partial
+    .tmp-*.json and said only "No space left on device" (a review's find)."""
+    import errno
+
+    import edgespec.report
+
+    def full(obj, fh, **kw):
+        fh.write("{")
+        fh.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(edgespec.report.json, "dump", full)
+    out = tmp_path / "r"
+    assert main(["bench", str(tiny_bundle("llama")), "--gammas", "2", "--temperatures", "0", "--repeats", "1",
+                 "--max-new-tokens", "4", "--quiet", "--out", str(out)]) == 2
+    cap = capsys.readouterr()
+    assert "gamma=2 T=0" in cap.out                     # the table
+    assert f"No space left on device: {str(out / 'bench.json')!r}" in cap.err
+    assert os.listdir(out) == []                        # no partial temporary file
+
+
 def test_bench_lookahead_drafter_side_by_side(tiny_bundle, tmp_path, capsys, monkeypatch):
     """--draft model,lookahead: both drafters measured in one run; draft reads counted for both;
     a bad drafter name is a clean error."""
