@@ -56,6 +56,7 @@ class GenerationOutput:
     finish_reason: str  # eos / stop / length
     stats: object  # edgespec.loop.GenerationStats
     prompt_ids: list[int]
+    drafter: str | None = None  # the drafter that ran (model, lookahead, hybrid, ngram); None: plain decoding
 
 
 class StreamChunk(str):
@@ -562,7 +563,8 @@ class Engine:
 
         def finish(result) -> GenerationOutput:
             return GenerationOutput(text=self.decode(result.tokens), ids=list(result.tokens), sources=list(result.sources),
-                                    finish_reason=result.finish_reason, stats=result.stats, prompt_ids=ids)
+                                    finish_reason=result.finish_reason, stats=result.stats, prompt_ids=ids,
+                                    drafter=None if draft is None else drafter)
 
         stream_obj = TextStream(blocks, detok, finish, self._guard)
         if stream:

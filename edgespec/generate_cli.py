@@ -233,7 +233,8 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(json_safe({
                 "text": out.text, "prompt_ids": out.prompt_ids, "ids": out.ids, "sources": out.sources,
-                "finish_reason": out.finish_reason, "speculative": not args.no_draft and (engine.has_draft or args.draft == "ngram"),
+                # (what ran: a prompt past the draft's positions decodes plainly, which "speculative" said it did not)
+                "finish_reason": out.finish_reason, "speculative": out.drafter is not None, "drafter": out.drafter,
                 "exact": exact,
                 "stats": out.stats.to_dict()}), allow_nan=False))  # strict JSON: a statistic without data is null
         else:

@@ -731,6 +731,7 @@ def test_a_draft_with_fewer_positions_warns(tmp_path):
         out = eng.generate(ids, max_new_tokens=8, temperature=0)
     assert [w.filename for w in seen] == [__file__]
     assert out.stats.draft_calls == 0 and out.ids == eng.generate(ids, max_new_tokens=8, temperature=0, use_draft=False).ids
+    assert out.drafter is None  # what ran (the CLI's --json said "speculative": true here: a review's find)
     # A prompt of 32 tokens fits the draft but leaves it no position to draft from: gamma=3 was ignored
     # (no round drafted, no word said) while 33 tokens were refused (a trial's find); 31 drafts once.
     for n in (40, 32):
@@ -744,7 +745,8 @@ def test_a_draft_with_fewer_positions_warns(tmp_path):
         assert eng.generate(ids[:31], max_new_tokens=8, temperature=0, gamma=3).stats.rounds == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error", EdgeSpecWarning)  # a prompt that fits: the draft, no warning
-        assert eng.generate(ids[:20], max_new_tokens=8, temperature=0).stats.draft_calls > 0
+        fits = eng.generate(ids[:20], max_new_tokens=8, temperature=0)
+        assert fits.stats.draft_calls > 0 and fits.drafter == "model"
         with pytest.raises(PromptTooLongError, match="the target has 128 positions"):  # too long for both: the target's error
             eng.generate(ids * 4, max_new_tokens=8, temperature=0)
     with warnings.catch_warnings():

@@ -21,13 +21,14 @@ def test_stream_json_no_draft_show_drafts(tiny_bundle, capsys):
 
     assert main(["generate", b, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "10", "--json"]) == 0
     spec = json.loads(capsys.readouterr().out)
-    assert len(spec["ids"]) == 10 and spec["speculative"] and "acceptance_rate" in spec["stats"]
+    assert len(spec["ids"]) == 10 and spec["speculative"] and spec["drafter"] == "model" and "acceptance_rate" in spec["stats"]
 
     assert main(["generate", b, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "10", "--json",
                  "--no-draft"]) == 0
     cap = capsys.readouterr()
     plain = json.loads(cap.out, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert plain["ids"] == spec["ids"] and set(plain["sources"]) == {"target"} and not plain["speculative"]
+    assert plain["drafter"] is None
     assert plain["stats"]["acceptance_rate"] is None      # no drafts: no rate (null, not NaN)
 
     assert main(["generate", b, "--prompt", PROMPT, "--temperature", "0", "--max-new-tokens", "10", "--show-drafts",
