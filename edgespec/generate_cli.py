@@ -189,7 +189,13 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from .api import default_target_threads, load
+    from .cli import _Terminated
     from .report import json_safe
+
+    if callable(getattr(sys.stdout, "reconfigure", None)):
+        # a terminal or file in an encoding without some generated character (ASCII, cp1252) took a
+        # traceback mid-text (a review's find): such characters are written as escapes instead
+        sys.stdout.reconfigure(errors="backslashreplace")
 
     gamma = parse_gamma(args.gamma)
     stop_ids = parse_token_ids(args.stop_token_ids, "--stop-token-ids")
@@ -249,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
             shown += len(chunk.ids)
-    except (EdgeSpecError, KeyboardInterrupt):
+    except (EdgeSpecError, KeyboardInterrupt, _Terminated):  # (SIGTERM too: its text was left without the note)
         if shown:  # text already streamed: end its line, and say it is cut short (then the error)
             sys.stdout.write("\n")
             sys.stdout.flush()

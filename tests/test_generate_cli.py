@@ -315,9 +315,11 @@ def test_prompt_file_and_stdin(tiny_bundle, tmp_path, capsys, monkeypatch):
         assert exit_.value.code == 2 and needle in capsys.readouterr().err
 
 
-def test_an_error_after_text_was_streamed_ends_its_line_and_says_so(tiny_bundle, capsys, monkeypatch):
+@pytest.mark.parametrize("stop", ["nan", "sigterm"])
+def test_an_error_after_text_was_streamed_ends_its_line_and_says_so(tiny_bundle, capsys, monkeypatch, stop):
     """A draft that produced NaN logits a few tokens in: the streamed text stayed on stdout with no
-    line break and nothing said it was cut short."""
+    line break and nothing said it was cut short. SIGTERM's text too (a review's find)."""
+    from edgespec.cli import _Terminated
     from edgespec.errors import NonFiniteLogitsError
     from edgespec.runtimes.onnx_backend import OnnxDecoderBackend
 
@@ -327,14 +329,35 @@ def test_an_error_after_text_was_streamed_ends_its_line_and_says_so(tiny_bundle,
     def failing(self, ids):
         calls.append(len(ids))
         if len(calls) > 6:
+            if stop == "sigterm":
+                raise _Terminated()   # what the CLI's SIGTERM handler raises
             raise NonFiniteLogitsError("the draft model produced NaN or +inf logits")
         return real(self, ids)
 
     monkeypatch.setattr(OnnxDecoderBackend, "extend", failing)
     assert main(["generate", bundle, "--prompt", PROMPT, "--temperature", "0", "--gamma", "1",
-                 "--max-new-tokens", "20"]) == 2
+                 "--max-new-tokens", "20"]) == (2 if stop == "nan" else 143)
     out, err = capsys.readouterr()
     assert out.endswith("\n") and out.strip()
     lines = err.strip().splitlines()
     assert lines[-2].startswith("[stopped after ") and lines[-2].endswith(" tokens: the text above is incomplete]"), err
-    assert lines[-1].startswith("edgespec generate: error: the draft model produced NaN")
+    assert lines[-1].startswith("edgespec generate: error: the draft model produced NaN" if stop == "nan" else
+                                "edgespec generate: terminated")
+
+
+def test_text_the_terminal_cannot_encode_is_escaped_not_a_traceback(tiny_bundle, monkeypatch, capsys):
+    """stdout in ASCII (PYTHONIOENCODING=ascii, a cp1252 console) took a UnicodeEncodeError traceback
+    mid-text when the model generated a character outside it (a review's find)."""
+    import io
+    import sys
+
+    import edgespec.api
+
+    real = edgespec.api._Detokenizer.push
+    monkeypatch.setattr(edgespec.api._Detokenizer, "push", lambda self, ids: real(self, ids) + "\u00e9")
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
+    assert main(["generate", str(tiny_bundle("gpt2")), "--prompt", PROMPT, "--temperature", "0",
+                 "--max-new-tokens", "4"]) == 0   # the streamed text
+    sys.stdout.flush()
+    assert b"\\xe9" in raw.getvalue()  # each block's character, escaped
