@@ -393,14 +393,14 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
 
 
 def _check_training_args(mode, steps, batch_size, eval_windows, pool_size, seed, lr, generated) -> None:
-    from .pair import _check_int
+    from .pair import _check_int, _check_seed
 
     if mode not in MODES:
         raise InvalidArgumentError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
     for name, v in (("steps", steps), ("batch_size", batch_size), ("eval_windows", eval_windows),
                     ("pool_size", pool_size)):
         _check_int(name, v)
-    _check_int("seed", seed, 0)
+    _check_seed(seed)
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise InvalidArgumentError(f"lr (CLI --lr) must be a finite positive number; got {lr!r}")
     if isinstance(generated, bool) or not isinstance(generated, (int, float)) or not 0 <= generated <= 1:

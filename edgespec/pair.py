@@ -45,6 +45,17 @@ def _check_int(name: str, value, minimum: int = 1) -> None:
         raise InvalidArgumentError(f"{name} must be an integer >= {minimum}; got {value!r}")
 
 
+SEED_LIMIT = 1 << 32  # seeds derived from it (seed * 100 + k) must fit torch.manual_seed's 64 bits
+
+
+def _check_seed(seed) -> None:
+    """A training seed (a seed near 2**58 made torch.manual_seed raise a bare ValueError after the
+    tokenizer had trained: a review's find)."""
+    _check_int("seed", seed, 0)
+    if seed >= SEED_LIMIT:
+        raise InvalidArgumentError(f"seed (CLI --seed) must be below 2**32 = {SEED_LIMIT}; got {seed}")
+
+
 @dataclass(frozen=True)
 class ModelSize:
     """The shape of one Llama model. ``kv_heads=None`` means as many as ``heads`` (no GQA)."""
@@ -451,7 +462,7 @@ def train_pair(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike 
     """
     t_start = time.perf_counter()
     p = get_preset(preset)
-    _check_int("seed", seed, 0)
+    _check_seed(seed)
     c = load_documents(corpus)
     ident = _identity(p, seed, c.description)
 

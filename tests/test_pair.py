@@ -311,6 +311,13 @@ def test_bad_sizes():
         PairPreset(**{**base.__dict__, "vocab_size": 100})
     with pytest.raises(InvalidArgumentError, match="unknown preset"):
         train_pair("huge", progress=False)
+    # a seed whose derived seeds overflow torch.manual_seed (a bare ValueError after the tokenizer trained)
+    from edgespec.distill import distill
+
+    with pytest.raises(InvalidArgumentError, match=r"seed \(CLI --seed\) must be below 2\*\*32"):
+        train_pair("tiny", seed=1 << 58, progress=False)
+    with pytest.raises(InvalidArgumentError, match=r"seed \(CLI --seed\) must be below 2\*\*32"):
+        distill("no-target", "no-out", seed=1 << 58, progress=False)
 
 
 def test_cli_errors(tmp_path, capsys, monkeypatch):
