@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 from .errors import TrainingError, warn
+
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS)  # ids 0, 1, 2
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the special tokens
