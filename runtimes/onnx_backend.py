@@ -170,7 +170,7 @@ def make_session(path: Path, cfg: SessionConfig):
                 f"onnxruntime does not support ({msg[-200:].strip()}); upgrade onnxruntime (pip install -U onnxruntime) "
                 "or re-export the bundle with a supported opset (`edgespec export --opset N`)"
             ) from exc
-        raise _ort_failure(f"ONNX Runtime cannot load {path}", msg) or BundleError(
+        raise _ort_failure(f"ONNX Runtime cannot load {path}", msg, ignore=str(path)) or BundleError(
             f"ONNX Runtime cannot load {path}: {msg}; the file is corrupt or not an edgespec export: re-export the "
             "bundle") from exc
     if before is not None:
@@ -261,11 +261,12 @@ _DEVICE = ("cuda error", "cudnn", "cublas", "cufft", "curand", "hip error", "roc
            "tensorrt")
 
 
-def _ort_failure(what: str, msg: str) -> EdgeSpecError | None:
+def _ort_failure(what: str, msg: str, ignore: str = "") -> EdgeSpecError | None:
     """The typed error for an ONNX Runtime failure caused by memory or by an execution provider's
     device (their advice is not to re-export: a review found an allocation failure told so); None
-    for the others, which a corrupt or hand-edited graph explains."""
-    low = msg.lower()
+    for the others, which a corrupt or hand-edited graph explains. ``ignore``: text of the message
+    not read for its words (the model's path: a folder named qnn_models is no QNN failure)."""
+    low = (msg.replace(ignore, "") if ignore else msg).lower()
     if any(k in low for k in _OUT_OF_MEMORY):
         return InsufficientMemoryError(
             f"{what}: {msg}; the model's buffers do not fit in memory: free memory (close other engines or "

@@ -381,6 +381,20 @@ def test_onnx_runtime_failures_get_the_advice_of_their_cause(status, error, need
     assert isinstance(info.value, EdgeSpecError) and type(info.value).__name__ == error
 
 
+def test_a_corrupt_graph_in_a_folder_named_after_a_provider_is_still_told_to_re_export(tmp_path):
+    """ONNX Runtime's load message holds the model's path: its words must not make a corrupt file
+    read as a device failure (a folder named qnn_models or rocm)."""
+    from edgespec.runtimes.onnx_backend import SessionConfig, make_session
+
+    for name in ("qnn_models", "rocm", "out_of_memory"):
+        path = tmp_path / name / contract.DECODER_FILE
+        path.parent.mkdir()
+        path.write_bytes(b"not a protobuf at all")
+        with pytest.raises(BundleError, match="the file is corrupt or not an edgespec export: re-export") as info:
+            make_session(path, SessionConfig())
+        assert type(info.value) is BundleError, name
+
+
 @pytest.mark.parametrize("kwargs,needle", HANDMADE, ids=[n or "ok" for _, n in HANDMADE])
 def test_handmade_onnx_with_missing_inputs(bundle_copy, capsys, kwargs, needle):
     b = bundle_copy()
