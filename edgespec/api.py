@@ -558,7 +558,8 @@ class Engine:
         rng = np.random.default_rng(seed)
         draft = NgramDrafter() if ngram else self._model_drafter(drafter, seed, config) if use_draft else None
         policy = self._policy(draft, config, drafter, seed) if gamma is None else None
-        blocks = iter_generate(self.target, ids, config, rng, draft=draft, policy=policy)
+        # (ids are checked above: an int64 array spares iter_generate's scan of a list for bools)
+        blocks = iter_generate(self.target, np.asarray(ids, dtype=np.int64), config, rng, draft=draft, policy=policy)
         detok = _Detokenizer(self.tokenizer) if stream else None
 
         def finish(result) -> GenerationOutput:

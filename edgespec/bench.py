@@ -285,10 +285,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             write_json(args.out / "bench.json", payload)
             written = plot(rows, args.out)
-        except OSError:  # a full disk: the measurement is not lost with the file (the error follows)
+        finally:  # (a full disk: the measurement is not lost with the file; the error follows the table)
             print(format_table(rows))
-            raise
-    print(format_table(rows))
+    else:
+        print(format_table(rows))
     _print_notes(rows, versus)
     print(note)
     warn_if_busy(others)  # after the table

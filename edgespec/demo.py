@@ -12,15 +12,13 @@ import time
 from pathlib import Path
 
 from . import contract
+from .bench import DEFAULT_MAX_NEW_TOKENS
 from .config import SamplingConfig
 from .errors import BundleError, InvalidArgumentError, OutputExistsError
 from .cli import at_least, parse_list
 from .measure import Setting, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
 from .report import OtherLoad, machine_description, warn_if_busy
-
-
-DEMO_MAX_NEW_TOKENS = 96
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "a comma list measures each side by side, and the streamed generation uses the first "
                         "(default 4,auto)")
     p.add_argument("--max-new-tokens", type=at_least(1), default=None,
-                   help=f"tokens per prompt (default {DEMO_MAX_NEW_TOKENS}, at most half the pair's positions: 16 for tiny)")
+                   help=f"tokens per prompt (default {DEFAULT_MAX_NEW_TOKENS}, at most half the pair's positions: "
+                        f"{PRESETS['tiny'].context // 2} for tiny)")
     p.add_argument("--repeats", type=at_least(1), default=3, help="measured repeats after one warm-up (default 3)")
     p.add_argument("--threads", type=at_least(0), default=1,
                    help="ONNX Runtime intra-op threads of the target (default 1; 0: ONNX Runtime's default); the draft runs on 1")
@@ -112,7 +111,7 @@ def _print_row(row: dict, auto_shown: bool = False) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .api import load
-    from .bench import DEFAULT_MAX_NEW_TOKENS, open_bundle
+    from .bench import open_bundle
     from .generate_cli import parse_gamma
     from .pair import get_preset, train_pair
 
@@ -123,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     gammas = parse_list(args.gamma, lambda x: parse_gamma(x, "--gamma"), "gamma")
     positions = get_preset(args.preset).context  # the pair's models are trained for this many positions
     if args.max_new_tokens is None:  # (96 left the tiny pair's 32 positions no room: a trial's find)
-        args.max_new_tokens = min(DEMO_MAX_NEW_TOKENS, positions // 2)
+        args.max_new_tokens = min(DEFAULT_MAX_NEW_TOKENS, positions // 2)
     if args.max_new_tokens >= positions:
         raise InvalidArgumentError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the "
                                    f"{args.preset} pair's {positions} positions; lower it")

@@ -656,7 +656,7 @@ def _finished(work: Path, ident: dict) -> bool:
 
 
 def _move_into_place(work: Path, dest: Path, overwrite: bool) -> Path:
-    check_swap(dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)
+    # (swap_into_place checks dest again itself; a refused rename leaves a folder _finished moves later)
     (work / ".lock").unlink(missing_ok=True)
     usual_permissions(work, recursive=True)  # safetensors writes the weights 0600
     swap_into_place(work, dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)  # --overwrite: the old one goes

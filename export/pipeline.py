@@ -187,12 +187,12 @@ def _kv_layout(ckpt: Checkpoint, opts: ExportOptions) -> str:
 def _quantize(role: str, folder: Path, names, progress: Callable[[str], None]) -> str:
     """int8 graphs in place of ``folder/<names>``; returns the manifest's quantization label ("none"
     when no weight product could be converted)."""
-    causal = role == contract.ROLE_TARGET  # see quantize_int8_rowwise: a target must stay causal
+    causal, label = role == contract.ROLE_TARGET, QUANT_LABEL[role]["int8"]  # a target must stay causal (quantize_int8_rowwise)
     progress(f"{role}: int8 {'per-token (rowwise)' if causal else 'dynamic'} quantization")
     if not causal:
         for name in names:
             quantize_int8(folder / name)
-        return QUANT_LABEL[role]["int8"]
+        return label
     results = [quantize_int8_rowwise(folder / name) for name in names]
     converted, skipped = sum(n for n, _ in results), collections.Counter(r for _, why in results for r in why)
     reasons = "; ".join(f"{n} x {why}" for why, n in skipped.items())
@@ -203,7 +203,7 @@ def _quantize(role: str, folder: Path, names, progress: Callable[[str], None]) -
     if skipped:
         warn(f"{role}: {sum(skipped.values())} of {converted + sum(skipped.values())} weight products "
              f"stay fp32 ({reasons}); the others are int8")
-    return QUANT_LABEL[role]["int8"]
+    return label
 
 
 def _export_one(ckpt: Checkpoint, role: str, folder: Path, quant: str, layout: str, opts: ExportOptions,
@@ -371,7 +371,7 @@ def _check_pair(t: Checkpoint, d: Checkpoint) -> None:
         warn("the draft is the target itself: every draft token is kept, but each costs a full target "
              "step, so speculation is slower than plain decoding; pass a smaller draft")
     ts, ds = (int(m.config.get("decoder_start_token_id") or 0) for m in (t, d))  # (none: 0, as the runtime)
-    if t.kind == contract.KIND_SEQ2SEQ and d.kind == contract.KIND_SEQ2SEQ and ts != ds:
+    if t.kind == contract.KIND_SEQ2SEQ and ts != ds:  # (both: the kinds are equal)
         warn(f"the draft's decoder starts from token {ds} and the target's from {ts}: the draft guesses "
              "after another start (the output stays exact; fewer drafts may be kept): pass a draft that "
              f"starts from token {ts} (decoder_start_token_id)")
