@@ -28,6 +28,7 @@ from . import contract
 from .corpus import bar_options
 from .errors import CheckpointError, InvalidArgumentError, OutputExistsError, TrainingError, warn
 from .cli import at_least, folder
+from .report import write_json
 from .outputs import DRAFT_FILES, TOKENIZER_FILES, check_output_folder, check_writable, swap_into_place, usual_permissions
 
 MODES = ("mix", "kl", "tv")
@@ -424,8 +425,6 @@ def _special_ids(tok, config) -> dict[str, int | None]:
 
 def _write_draft(draft, report: dict, target_dir: Path, out_dir: Path, overwrite: bool) -> None:
     """The draft checkpoint, the target's tokenizer files and distill.json, swapped into ``out_dir`` whole."""
-    from .pair import _write_json_atomic
-
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -435,7 +434,7 @@ def _write_draft(draft, report: dict, target_dir: Path, out_dir: Path, overwrite
         for name in TOKENIZER_FILES:
             if (target_dir / name).is_file():
                 shutil.copyfile(target_dir / name, tmp / name)
-        _write_json_atomic(report, tmp / "distill.json")
+        write_json(tmp / "distill.json", report)
         usual_permissions(tmp, recursive=True)  # safetensors writes the weights 0600
         swap_into_place(tmp, out_dir, overwrite, "distill.json", "a distilled draft", owned=DRAFT_FILES)
     except BaseException:

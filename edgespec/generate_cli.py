@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -187,15 +188,32 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
+@contextlib.contextmanager
+def _escaping_stdout():
+    """A terminal or file in an encoding without some generated character (ASCII, cp1252) took a
+    traceback mid-text (a review's find): such characters are written as escapes while the command runs,
+    and stdout's own error handler is put back after it (an application calling main() keeps its own)."""
+    stream = sys.stdout
+    if not callable(getattr(stream, "reconfigure", None)):
+        yield
+        return
+    before = stream.errors
+    stream.reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:
+        stream.reconfigure(errors=before)
+
+
 def run(args: argparse.Namespace) -> int:
+    with _escaping_stdout():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from .api import default_target_threads, load
     from .cli import _Terminated
     from .report import json_safe
-
-    if callable(getattr(sys.stdout, "reconfigure", None)):
-        # a terminal or file in an encoding without some generated character (ASCII, cp1252) took a
-        # traceback mid-text (a review's find): such characters are written as escapes instead
-        sys.stdout.reconfigure(errors="backslashreplace")
 
     gamma = parse_gamma(args.gamma)
     stop_ids = parse_token_ids(args.stop_token_ids, "--stop-token-ids")

@@ -33,6 +33,7 @@ from . import contract
 from .corpus import BOS, EOS, MIN_VOCAB, PAD, bar_options, load_corpus, load_documents  # noqa: F401  (load_corpus re-exported)
 from .errors import CheckpointError, EdgeSpecError, InvalidArgumentError, OutputExistsError, TrainingError
 from .cli import _Terminated, at_least, folder
+from .report import write_json
 from .outputs import PAIR_FILES, check_output_folder, check_swap, check_writable, swap_into_place, usual_permissions
 
 FORMAT_VERSION = 1
@@ -309,12 +310,6 @@ def _atomic_torch_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _write_json_atomic(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-
-
 def save_checkpoint(model, hf_tok, folder: Path) -> None:
     """Write an HF checkpoint (safetensors only) into ``folder.tmp`` and rename it to ``folder``."""
     tmp = folder.with_name(folder.name + ".tmp")
@@ -419,7 +414,7 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
                                            "kv_heads": size.kv_heads or size.heads, "intermediate": size.intermediate},
             "steps": steps, "batch_size": preset.batch_size, "tokens_seen": steps * preset.batch_size * preset.context,
             "peak_lr": lr, "final_train_loss": last_loss, "val_loss": val, "train_seconds": round(elapsed, 2)}
-    _write_json_atomic(info, info_path)
+    write_json(info_path, info)
     state_path.unlink(missing_ok=True)
     return info
 
@@ -564,7 +559,7 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
                 print(f"edgespec: resuming from {work}", file=sys.stderr)
         elif any(ch.name != ".lock" for ch in work.iterdir()):
             raise OutputExistsError(f"{work} exists and is not an edgespec work folder; delete or move it")
-        _write_json_atomic(ident, ident_path)
+        write_json(ident_path, ident)
 
         torch_threads = torch.get_num_threads()
         with _deterministic():
@@ -642,7 +637,7 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
             (work / name).unlink(missing_ok=True)
         # From here the work folder is a finished pair (pair.json names its recipe): stopped before the
         # rename, the same command moves it into place (it was refused as "not a work folder").
-        _write_json_atomic(meta, work / "pair.json")
+        write_json(work / "pair.json", meta)
         return _move_into_place(work, dest, overwrite)
 
 

@@ -361,3 +361,4 @@ def test_text_the_terminal_cannot_encode_is_escaped_not_a_traceback(tiny_bundle,
                  "--max-new-tokens", "4"]) == 0   # the streamed text
     sys.stdout.flush()
     assert b"\\xe9" in raw.getvalue()  # each block's character, escaped
+    assert sys.stdout.errors == "strict"  # the escaping was for the command: an application keeps its own
