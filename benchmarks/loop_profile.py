@@ -20,7 +20,7 @@ import edgespec  # noqa: E402
 from edgespec.cli import at_least  # noqa: E402
 from edgespec.prompts import CODE_PROMPTS  # noqa: E402
 
-PARTS = ("prefill_s", "draft_s", "target_s", "sample_s")
+PARTS = ("prefill_s", "draft_s", "empty_draft_s", "target_s", "sample_s")
 
 
 def main() -> int:

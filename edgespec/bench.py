@@ -167,6 +167,18 @@ def _grid(args: argparse.Namespace) -> list:
     return grid
 
 
+# why a plain target step ran inside a speculative run (measure's plain_step_causes)
+_CAUSES = {"adaptive_policy": "the adaptive policy finding them faster than drafted rounds",
+           "nothing_drafted": "lookups that found nothing",
+           "no_room": "no room to draft: a prompt's last new token, the draft's last positions"}
+
+
+def plain_step_causes(row: dict) -> str:
+    """Where a row's plain target steps came from, largest share first: "12% lookups that found nothing, ..."."""
+    shares = sorted(((v, k) for k, v in (row.get("plain_step_causes") or {}).items() if v > 0), reverse=True)
+    return ", ".join(f"{v:.0%} {_CAUSES[k]}" for v, k in shares)
+
+
 def _print_notes(rows: list[dict], versus: list[dict]) -> None:
     """Below the table: adaptive against the best static gamma, and where plain target steps came from."""
     for v in versus:
@@ -176,11 +188,8 @@ def _print_notes(rows: list[dict], versus: list[dict]) -> None:
         print(f"T={v['temperature']:g}{lenient} {v['draft']}: adaptive gamma / best static gamma ({v['best_static_gamma']}) "
               f"= {v['adaptive_over_best_static']:.3f} {iqr} (speculative tokens/s, same run)")
     for r in rows:  # plain target steps inside a run: where they came from
-        lookup, adaptive = r["draft"] == "ngram", r["gamma"] is None
-        why = " or ".join(w for w, on in (("lookups that found nothing", lookup),
-                                          ("the adaptive policy finding them faster than drafted rounds", adaptive)) if on) \
-            or "rounds with no room to draft: a prompt's last new token, the draft's last positions"
-        if math.isnan(r["alpha"]) and (lookup or adaptive):  # no drafted round (each first token is the prefill's)
+        why = plain_step_causes(r)
+        if math.isnan(r["alpha"]) and r["plain_step_share"] > 0:  # no drafted round (each first token is the prefill's)
             print(f"{r['setting']}: no round was drafted: after each prompt's first token, every token came from plain "
                   f"target steps ({why}); the theory columns are empty")
         elif r["plain_step_share"] > 0.05:

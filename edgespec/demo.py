@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from . import contract
-from .bench import DEFAULT_MAX_NEW_TOKENS
+from .bench import DEFAULT_MAX_NEW_TOKENS, plain_step_causes
 from .config import SamplingConfig
 from .errors import BundleError, InvalidArgumentError, OutputExistsError
 from .cli import at_least, parse_list
@@ -79,7 +79,10 @@ def _fmt(x: float, spec: str = ".3f") -> str:
 
 
 def _print_row(row: dict, auto_shown: bool = False) -> None:
-    g = row["gamma"] if row["gamma"] is not None else f"auto (mean {row['mean_gamma']:.1f})"
+    if row["gamma"] is not None:
+        g = row["gamma"]
+    else:  # (no drafted round: no mean to show)
+        g = "auto (nothing drafted)" if math.isnan(row["mean_gamma"]) else f"auto (mean {row['mean_gamma']:.1f})"
     print(f"\n  temperature {row['temperature']:g}, gamma {g}:")
     print(f"    alpha (E[sum min(p, q)])       {_fmt(row['alpha'])}")
     print(f"    c (draft step / verify call)   {_fmt(row['c'])}")
@@ -100,8 +103,7 @@ def _print_row(row: dict, auto_shown: bool = False) -> None:
               f"{row['target_bytes_per_token_spec'] / 1e6:.2f} MB speculative "
               f"({row['target_read_reduction']:.2f}x fewer; draft adds {row['draft_bytes_per_token_spec'] / 1e6:.2f} MB)")
     if row["gamma"] is None and row["plain_step_share"] > 0.05:
-        print(f"    plain target steps             {row['plain_step_share']:.0%} of the tokens (faster than drafted "
-              "rounds here)")
+        print(f"    plain target steps             {row['plain_step_share']:.0%} of the tokens ({plain_step_causes(row)})")
     elif row["gamma"] is not None and row["speedup"] < 1:
         print(f"    slower than plain decoding here: a verify call cost {_fmt(row['verify_cost_steps'], '.2f')} plain "
               "steps. Adaptive gamma (the default of `edgespec generate` and the API) takes plain steps where "

@@ -32,8 +32,10 @@ class GenerationStats:
     accepted: int = 0                # draft tokens the target kept (an EOS/stop id may cut some from the output)
     emitted: int = 0                 # tokens committed (the output length)
     round_tokens: int = 0            # tokens committed by speculative rounds (1 + plain_steps + this = emitted)
-    plain_steps: int = 0             # target steps without drafts (nothing to draft, no room, or the
-                                     # adaptive policy found plain steps faster)
+    plain_steps: int = 0             # target steps without drafts: declined_steps + empty_drafts + those
+                                     # with no room to draft (a run's last token, the draft's last positions)
+    declined_steps: int = 0          # plain steps the adaptive policy chose (faster than drafted rounds)
+    empty_drafts: int = 0            # plain steps after the drafter proposed nothing (a lookup found no match)
     accepted_hist: list[int] = field(default_factory=list)  # [n] rounds that kept n drafts
     gamma_hist: list[int] = field(default_factory=list)     # [g] rounds drafted with gamma g
     beta_sum: float = 0.0            # sum of sum_x min(p, q) over examined draft positions
@@ -44,6 +46,7 @@ class GenerationStats:
     target_s: float = 0.0
     plain_step_s: float = 0.0        # the part of target_s spent on plain steps (no drafts) inside the run
     catch_up_s: float = 0.0          # the draft reading tokens committed by plain steps (before a round drafts)
+    empty_draft_s: float = 0.0       # proposals that came back empty (not in draft_s: no draft step to divide by)
     sample_s: float = 0.0
     total_s: float = 0.0
     ttft_s: float = 0.0              # time to first token
@@ -201,18 +204,22 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     t3 = time.perf_counter()
     waited = getattr(drafter, "wait_s", 0.0) - waited
     stats.target_calls += 1
-    stats.draft_calls += g
     stats.catch_up_s += caught
-    stats.draft_s += t1 - t0 + waited
     stats.target_s += t2 - t1
     stats.sample_s += t3 - t2 - waited
     if policy is not None:  # the verify side of a round: the target call and the acceptance test
         policy.update(conf, n, t1 - t0, t3 - t1, verdict.keep)
     tokens = [int(t) for t in x[:n]] + [verdict.token]
     if g == 0:  # the drafter had nothing to propose: this was a plain target step
+        # (its lookup time is kept apart: charged to draft_s it raised c, with no draft step
+        # counted to divide it by)
+        stats.empty_drafts += 1
+        stats.empty_draft_s += t1 - t0 + waited
         stats.plain_steps += 1
         stats.plain_step_s += t2 - t1
         return tokens, [TARGET]
+    stats.draft_calls += g
+    stats.draft_s += t1 - t0 + waited
     stats.record_round(g, n, len(tokens))
     return tokens, ["accepted"] * n + [verdict.kind]
 
@@ -322,6 +329,7 @@ def iter_generate(target: Backend, prompt_ids: Sequence[int], config: Generation
                 gamma = max(0, min(config.gamma or config.max_gamma, remaining - 1, target.max_length - target.length - 1))
             if gamma > 0 and policy is not None and not policy.draft_next():
                 gamma = 0  # plain steps have been faster than drafted rounds (gamma = 0 in Theorem 3.8's objective)
+                stats.declined_steps += 1
             if gamma > 0:
                 if not started:
                     t0 = time.perf_counter()

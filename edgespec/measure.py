@@ -122,6 +122,10 @@ class SettingResult:
         # that found nothing, and those the adaptive policy found faster than drafted rounds
         emitted = sum(s.emitted for s in self.stats)
         plain_share = sum(s.plain_steps for s in self.stats) / emitted if emitted else float("nan")
+        declined, empty = sum(s.declined_steps for s in self.stats), sum(s.empty_drafts for s in self.stats)
+        no_room = sum(s.plain_steps for s in self.stats) - declined - empty
+        causes = {k: n / emitted if emitted else float("nan") for k, n in
+                  (("adaptive_policy", declined), ("nothing_drafted", empty), ("no_room", no_room))}
         hist: list[int] = []
         for s in self.stats:
             for n, k in enumerate(s.accepted_hist):
@@ -139,7 +143,8 @@ class SettingResult:
                 counts[g] += n
         if not any(counts):  # no drafted round: the setting's gamma (nothing was measured to weigh it)
             counts = [0] * (self.setting.gamma or 1) + [1]
-        a = alpha_test if self.setting.lenience < 1 else alpha
+        # (a sum of rounded terms can pass 1 by an ulp where q <= p / l everywhere: it is at most 1)
+        a = min(alpha_test, 1.0) if self.setting.lenience < 1 else alpha
         ok = 0 <= a <= 1 and c == c
         # Theorem 3.8 assumes a verify call of g + 1 tokens costs one target step. V is what it
         # cost here (mean verify call / mean plain step, both measured in this run). The theorem's c
@@ -164,6 +169,7 @@ class SettingResult:
             "temperature": self.setting.sampling.temperature, "top_k": self.setting.sampling.top_k,
             "top_p": self.setting.sampling.top_p, "lenience": self.setting.lenience, "draft": self.setting.draft,
             "plain_step_share": plain_share,
+            "plain_step_causes": causes,  # shares of the tokens, summing to plain_step_share
             "alpha": alpha, "acceptance_rate": sum(s.accepted for s in self.stats) / beta_n if beta_n else float("nan"),
             "c": c,
             "tokens_per_round": tokens_per_round,

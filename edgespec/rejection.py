@@ -98,4 +98,5 @@ def greedy_verdict(draft_ids: np.ndarray, target_ids: np.ndarray) -> Verdict:
 
 def overlap(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     """beta = sum_x min(p(x), q(x)) = 1 - D_LK(p, q) per row (Definition 3.2). p, q: [k, V] -> [k]."""
-    return np.minimum(p, q).sum(axis=-1)
+    # (a sum of V rounded terms can exceed 1 by an ulp where p == q; beta is at most 1)
+    return np.minimum(np.minimum(p, q).sum(axis=-1), 1.0)

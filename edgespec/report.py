@@ -133,6 +133,12 @@ def _f(x: float, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _x(x: float, spec: str = ".2f") -> str:
+    """A ratio with its x, or - where it was not measured (not "-x")."""
+    cell = _f(x, spec)
+    return cell if cell == "-" else cell + "x"
+
+
 def format_table(rows: list[dict]) -> str:
     nan = float("nan")
     # (header, width, cell of a row): every cell right-aligned under its header
@@ -141,13 +147,13 @@ def format_table(rows: list[dict]) -> str:
             ("(theory)", 8, lambda r: _f(r["expected_tokens_per_round"], ".2f")),
             ("plain tok/s", 11, lambda r: _f(r["plain_tokens_per_s"], ".1f")),
             ("spec tok/s", 10, lambda r: _f(r["spec_tokens_per_s"], ".1f")),
-            ("speedup", 8, lambda r: _f(r["speedup"], ".2f") + "x"),
+            ("speedup", 8, lambda r: _x(r["speedup"])),
             ("[IQR]", 13, lambda r: "[{}-{}]".format(*(_f(v, ".2f") for v in (r.get("speedup_iqr") or [nan] * 2)))),
-            ("decode", 7, lambda r: _f(r.get("decode_speedup", nan), ".2f") + "x"),
-            ("Thm3.8", 7, lambda r: _f(r["predicted_speedup"], ".2f") + "x"),
+            ("decode", 7, lambda r: _x(r.get("decode_speedup", nan))),
+            ("Thm3.8", 7, lambda r: _x(r["predicted_speedup"])),
             ("V", 5, lambda r: _f(r.get("verify_cost_steps", nan), ".2f")),
-            ("Thm3.8(V)", 9, lambda r: _f(r.get("predicted_speedup_verify_cost", nan), ".2f") + "x"),
-            ("fewer reads", 11, lambda r: _f(r.get("target_read_reduction", nan), ".2f") + "x")]
+            ("Thm3.8(V)", 9, lambda r: _x(r.get("predicted_speedup_verify_cost", nan))),
+            ("fewer reads", 11, lambda r: _x(r.get("target_read_reduction", nan)))]
     first = max([34] + [len(r["setting"]) for r in rows])   # (top-k, top-p and lenience lengthen a label)
     head = f"{'setting':<{first}} " + " ".join(f"{h:>{w}}" for h, w, _ in cols)
     lines = [head, "-" * len(head)]

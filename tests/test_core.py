@@ -1077,3 +1077,45 @@ def test_adaptive_policy_does_not_time_the_cold_step_after_switching():
     _modelled_run(pol, 400, keep=0.3, verify_slope=0.6, rng=np.random.default_rng(5), cold=(2.5, 2.0))  # drafting slower
     assert pol._plain[1] / pol._plain[0] == pytest.approx(0.001)  # the warm plain steps only
     assert pol._last[0] == "plain" and pol._explore > 16             # on plain steps, exploring less often
+
+
+def test_overlap_of_equal_distributions_is_at_most_one():
+    """beta = sum_x min(p, q) summed V rounded terms: where p == q it came out an ulp above 1 (then
+    the theory columns, which take alpha in [0, 1], went blank)."""
+    from edgespec.rejection import overlap
+    for seed in range(1000):  # a distribution whose float sum is above 1
+        x = np.random.default_rng(seed).random(50)
+        p = (x / x.sum())[None]                                                 # [1, V]
+        if p.sum() > 1.0:
+            break
+    else:
+        pytest.fail("no distribution summing above 1 in 1000 seeds")
+    assert overlap(p, p)[0] <= 1.0 and overlap(p, p)[0] == pytest.approx(1.0)
+
+
+def test_lookups_that_propose_nothing_are_not_charged_to_c(monkeypatch):
+    """A lookup that finds nothing is a plain step: its time went into draft_s with no draft call to
+    divide it by, which raised c (the draft step's time) by the empty lookups' share."""
+    import time as _time
+
+    from edgespec.drafters import NgramDrafter
+    real = NgramDrafter.propose
+
+    def slow_when_empty(self, *a, **kw):
+        t0 = _time.perf_counter()
+        out = real(self, *a, **kw)
+        if out[0].shape[0] == 0:
+            while _time.perf_counter() - t0 < 0.01:  # 10 ms per empty lookup
+                pass
+        return out
+
+    monkeypatch.setattr(NgramDrafter, "propose", slow_when_empty)
+    target, _ = toy_pair(vocab_size=20, order=3, seed=4, max_length=600)
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5]
+    res = generate(target, prompt, cfg(max_new_tokens=60, gamma=4, sampling=SamplingConfig(1.0)),
+                   np.random.default_rng(0), draft=NgramDrafter())
+    s = res.stats
+    assert s.empty_drafts > 0 and s.rounds > 0, (s.empty_drafts, s.rounds)  # both kinds ran
+    assert s.empty_draft_s >= 0.01 * s.empty_drafts
+    assert s.draft_s < 0.01 * s.empty_drafts  # the drafted rounds' lookups only (microseconds each)
+    assert s.plain_steps >= s.empty_drafts and s.declined_steps == 0  # a fixed gamma: no policy

@@ -217,8 +217,11 @@ def test_bench_lenience_at_greedy_and_plain_steps_of_static_lookup(tiny_bundle, 
     assert main([*base, "--lenience", "1.5"]) == 2 and "--lenience takes values in (0, 1]" in capsys.readouterr().err
     assert main([*base, "--gammas", "3", "--temperatures", "0", "--draft", "ngram", "--out", str(tmp_path / "n")]) == 0
     out = capsys.readouterr().out
-    share = json.loads((tmp_path / "n" / "bench.json").read_text())["results"][0]["plain_step_share"]
-    assert share > 0.05 and "came from plain target steps (lookups that found nothing;" in out, out
+    row = json.loads((tmp_path / "n" / "bench.json").read_text())["results"][0]
+    share, causes = row["plain_step_share"], row["plain_step_causes"]
+    assert share > 0.05 and causes["nothing_drafted"] > 0 and causes["adaptive_policy"] == 0, row
+    assert sum(causes.values()) == pytest.approx(share)  # each plain step has one cause
+    assert re.search(r"came from plain target steps \((\d+% [a-z :',]+, )?\d+% lookups that found nothing", out), out
 
 
 def test_read_counter_counts_the_cross_attention_reads_of_an_encoder_decoder():
@@ -469,10 +472,18 @@ def test_demo_says_when_speculation_loses_and_what_adaptive_gamma_did(capsys):
     assert "takes plain steps where drafting loses: the gamma auto row at this temperature" in capsys.readouterr().out
     _print_row({**base, "gamma": 4, "speedup": 1.3})
     assert "slower" not in capsys.readouterr().out
-    _print_row({**base, "gamma": None, "speedup": 0.93, "mean_gamma": 1.2, "plain_step_share": 0.88})
+    causes = {"adaptive_policy": 0.8, "nothing_drafted": 0.0, "no_room": 0.08}
+    _print_row({**base, "gamma": None, "speedup": 0.93, "mean_gamma": 1.2, "plain_step_share": 0.88,
+                "plain_step_causes": causes})
     out = capsys.readouterr().out
-    assert "gamma auto (mean 1.2)" in out and "plain target steps             88% of the tokens" in out
-    assert "slower" not in out
+    assert "gamma auto (mean 1.2)" in out and "slower" not in out
+    # what the plain steps were for, not "faster than drafted rounds here" whatever the cause
+    assert ("plain target steps             88% of the tokens (80% the adaptive policy finding them faster than "
+            "drafted rounds, 8% no room to draft") in out, out
+    _print_row({**base, "gamma": None, "speedup": 0.9, "plain_step_share": 0.875,
+                "plain_step_causes": {"adaptive_policy": 0.875, "nothing_drafted": 0.0, "no_room": 0.0}})
+    out = capsys.readouterr().out
+    assert "gamma auto (nothing drafted)" in out and "mean nan" not in out, out
 
 
 def test_demo_checks_its_options_before_training(monkeypatch, capsys):
@@ -1068,6 +1079,18 @@ def test_other_load_counts_other_processes_not_this_one(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "usable_cores", lambda: 2)
     assert other_load_note(0.1) is None and other_load_note(None) is None
     assert "other processes took 0.90 of the 2 cores this ran on" in other_load_note(0.9)
+
+
+def test_table_leaves_unmeasured_ratios_blank():
+    """A ratio that was not measured (no drafted round: no prediction; no read counter) printed "-x"."""
+    from edgespec.report import format_table
+
+    nan = float("nan")
+    row = {"setting": "ngram gamma=4 T=0", "alpha": nan, "c": nan, "tokens_per_round": nan,
+           "expected_tokens_per_round": nan, "plain_tokens_per_s": 200.0, "spec_tokens_per_s": 190.0, "speedup": 0.95,
+           "speedup_iqr": [nan] * 2, "decode_speedup": nan, "predicted_speedup": nan}
+    cells = format_table([row]).splitlines()[2].split()[3:]
+    assert cells == ["-", "-", "-", "-", "200.0", "190.0", "0.95x", "[---]", "-", "-", "-", "-", "-"], cells
 
 
 def test_bench_table_cells_sit_under_their_headers():
