@@ -414,6 +414,62 @@ def test_hybrid_lookups_use_the_whole_text_while_it_is_shorter_than_max_ngram():
     assert seen == [text[:3], text[:4], text[1:5]][:len(seen)] and len(seen) == 3
 
 
+def test_hybrid_lookups_follow_the_drafted_tokens_when_the_model_wins(monkeypatch):
+    """Where the model's token is drafted, the next lookup's context holds that token, not the lookup
+    token that lost (a mutant appending the unused lookup token passed every test: a mutation audit's
+    find). Draft quality only; the output stays exact."""
+    import edgespec.drafters
+    from edgespec.drafters import HybridDrafter
+    from edgespec.toy import ToyBackend, ToyLM
+
+    monkeypatch.setattr(edgespec.drafters, "prefers_lookup", lambda keeps, n, b: False)  # the model always wins
+    d = HybridDrafter(ToyBackend(ToyLM(8, 2, seed=0)), max_ngram=2, min_ngram=2)
+    prompt = [1, 2, 3] * 3
+    d.start(np.array(prompt))
+    seen, follower = [], d._index.follower
+    d._index.follower = lambda tail: (seen.append(list(tail)), follower(tail))[1]
+    ids, _, _ = d.propose([1], 4, SamplingConfig(1.0), np.random.default_rng(0), 8)
+    text = [*prompt, 1, *ids.tolist()]
+    assert d.replaced == 0 and len(seen) == len(ids) == 4
+    assert seen == [text[len(prompt) + j - 1:len(prompt) + j + 1] for j in range(4)], (seen, text)
+    # some lookup disagreed with the model's token (else the two contexts would be the same)
+    assert any(look is not None for _, _, look, _ in d._round), d._round
+
+
+def test_the_draft_cache_holds_the_committed_text_after_each_rollback():
+    """After every round the draft's cache is the prompt and the committed output, less what it has
+    not read: the round's new token, and the last draft too where every draft was kept (never fed).
+    No test pinned this (a mutation audit's weak spot): a rollback one token short of the kept prefix
+    is re-read as a catch-up, with the same output."""
+    from edgespec.drafters import ModelDrafter
+
+    target, draft = toy_pair(vocab_size=16, order=2, noise=1.0, seed=5)
+    prompt, unread = [3, 1, 4], []
+
+    class Checked(ModelDrafter):
+        expect = 1  # tokens of the text the draft has not read: at the first round, the prefill's token
+
+        def propose(self, generated, *a, **kw):
+            b, text = self.backend, prompt + list(generated)
+            assert b._tokens[:b.length].tolist() == text[:b.length]
+            assert len(text) - b.length == self.expect, (len(text), b.length, self.expect)
+            unread.append(self.expect)
+            out = super().propose(generated, *a, **kw)
+            self._round = len(generated), out[0].shape[0]  # (generated tokens, drafts)
+            return out
+
+        def rollback(self, kept):
+            super().rollback(kept)
+            n_generated, g = self._round
+            self.expect = 2 if kept - n_generated == g else 1
+
+    res = generate(target, prompt, cfg(max_new_tokens=120, gamma=4, sampling=SamplingConfig(1.0)),
+                   np.random.default_rng(0), draft=Checked(draft))
+    hist = res.stats.accepted_hist
+    assert len(unread) > 20 and hist[0] > 0 and hist[-1] > 0 and len(hist) == 5  # rejections and full rounds
+    assert set(unread) == {1, 2}
+
+
 def test_lenience_raises_acceptance():
     target, draft = toy_pair(vocab_size=30, order=2, noise=1.0, seed=3)
     rates = []
@@ -425,6 +481,33 @@ def test_lenience_raises_acceptance():
         assert keep == pytest.approx(st.acceptance_rate, abs=0.03), l
         assert (keep > st.alpha + 0.05) if l < 1 else keep == st.alpha
     assert rates[0] < rates[1] < rates[2]
+
+
+def test_lenient_output_follows_appendix_a5():
+    """At l < 1 the first emitted token is x ~ q kept with probability min(1, p(x) / (l q(x))), else a
+    draw from norm(max(0, p - l q)): min(q, p / l) + (1 - sum min(q, p / l)) norm(max(0, p - l q)).
+    A residual without l (norm(max(0, p - q))) passed every other test (a mutation audit's find)."""
+    from stats_helpers import ALPHA_LEVEL, chi2_pvalue
+
+    p = np.array([[0.6, 0.3, 0.1], [0.2, 0.3, 0.5]])                             # [2, V] target
+    q = np.array([[0.2, 0.2, 0.6]])                                              # [1, V] draft
+    lenience, n = 0.5, 20000
+    kept = np.minimum(q[0], p[0] / lenience)                                     # [V] [.2, .2, .2]
+    residual = np.maximum(p[0] - lenience * q[0], 0.0)                           # [V] [.5, .2, 0]
+    expected = kept + (1 - kept.sum()) * residual / residual.sum()               # [V] [.486, .314, .2]
+    rng = np.random.default_rng(0)
+    first, bonus = np.zeros(3), np.zeros(3)                                      # [V] counts
+    for _ in range(n):
+        x = np.array([sample_index(q[0], rng.random())])                         # [1] x ~ q
+        v = speculative_sample(x, q, p, rng, lenience)
+        first[x[0] if v.n_accepted else v.token] += 1
+        if v.n_accepted:
+            bonus[v.token] += 1
+    assert chi2_pvalue(first, expected) > ALPHA_LEVEL, (first / n, expected)
+    assert chi2_pvalue(bonus, p[1]) > ALPHA_LEVEL, (bonus / bonus.sum(), p[1])  # the bonus is a draw from p
+    # the test has the power to see the residual without l: [.52, .28, .2], and the exact [.6, .3, .1]
+    for wrong in (kept + (1 - kept.sum()) * np.array([0.8, 0.2, 0.0]), p[0]):
+        assert chi2_pvalue(first, wrong) < ALPHA_LEVEL
 
 
 # ------------------------------------------------------------------- beyond the paper (issue 8)
