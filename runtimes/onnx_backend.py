@@ -302,7 +302,10 @@ class _KVPingPong:
         """(Re)allocate the buffers. np.empty commits pages only when first written, so a large
         max_length is cheap, and dropping the old buffers gives their written pages back."""
         size = self.heads * self.capacity * self.head_size
-        self.buffers = None
+        # Nothing may point at the old buffers once they are dropped: where an allocation below fails,
+        # no pointer into freed memory is left for the next call to bind (ONNX Runtime wrote the cache
+        # there; a review's find), and prepare() allocates again.
+        self.buffers = self.ptrs = None
         self.buffers = [[_alloc(size, self.dtype, 2 * self.n_tensors, self) for _ in range(self.n_tensors)]
                         for _side in range(2)]
         self.ptrs = [[b.ctypes.data for b in side] for side in self.buffers]
@@ -311,6 +314,8 @@ class _KVPingPong:
 
     def prepare(self, n: int) -> None:
         """Before a call on a cache of logical length ``n``: compact if a rewind left a longer tail."""
+        if self.buffers is None:  # a release whose allocation failed (after free(), so n = 0)
+            self.release()
         if self.physical != n:
             self.compact(n)
 
@@ -355,13 +360,15 @@ class _KVInPlace:
 
     def release(self) -> None:
         """(Re)allocate the buffers; see _KVPingPong.release."""
-        self.buffers = None
+        self.buffers = self.ptrs = self._bound = None  # (none left bound where the allocation fails)
         self.buffers = [_alloc(self.shape, self.dtype, self.n_tensors, self) for _ in range(self.n_tensors)]
         self.ptrs = [b.ctypes.data for b in self.buffers]
         self._bound: _Binder | None = None  # new pointers: bind again
 
     def prepare(self, n: int) -> None:
-        pass  # positions >= n are ignored by the graph (the mask says P = n) and overwritten
+        # positions >= n are ignored by the graph (the mask says P = n) and overwritten
+        if self.buffers is None:  # a release whose allocation failed: allocate again
+            self.release()
 
     def reset(self) -> None:
         pass
@@ -418,9 +425,10 @@ class _PositionCache:
         return self._len
 
     def rewind_to(self, n: int) -> None:
-        if not 0 <= n <= self._len:
-            raise InvalidArgumentError(f"rewind_to({n}) outside [0, {self._len}]")
-        self._len = n  # O(1): the stale tail is dropped lazily (see module docstring)
+        # (a float was taken and broke the next call: the XLA backend's check)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 <= n <= self._len:
+            raise InvalidArgumentError(f"rewind_to(n) needs an integer 0 <= n <= length={self._len}; got {n!r}")
+        self._len = int(n)  # O(1): the stale tail is dropped lazily (see module docstring)
 
     def free(self) -> None:
         self._len = 0

@@ -120,3 +120,51 @@ def test_close_gives_the_kv_memory_back_and_the_engine_stays_usable(tiny_bundle,
     gc.collect()
     assert all(r() is None for r in refs)  # nothing holds the written buffers any more
     assert eng.generate(prompt, max_new_tokens=12, temperature=0.0, gamma=3).ids == first
+
+
+@pytest.mark.parametrize("arch", ["llama", "t5"])  # the in-place layout and the ping-pong one
+def test_a_failed_reallocation_leaves_nothing_bound_to_freed_memory(tiny_bundle, arch, monkeypatch):
+    """free() dropped the KV buffers, then failed to allocate new ones (out of memory): the binding
+    kept the freed buffers' pointers, and a caller that caught the error and went on had ONNX Runtime
+    write the cache into freed memory (a review's find: other arrays were overwritten). Now the next
+    call allocates again, and runs as a fresh backend does."""
+    import edgespec.runtimes.onnx_backend as ob
+    from edgespec.errors import InsufficientMemoryError
+
+    be, fresh, _ = _backends(tiny_bundle(arch))["target"]
+    prompt = np.array([5, 9, 4, 17, 5, 8])
+    be.prefill(prompt)
+    be.extend(np.array([3, 4]))
+    real, calls = ob._alloc, []
+
+    def second_fails(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise InsufficientMemoryError("injected: out of memory")
+        return real(*a)
+
+    monkeypatch.setattr(ob, "_alloc", second_fails)
+    with pytest.raises(InsufficientMemoryError):
+        be.free()
+    monkeypatch.setattr(ob, "_alloc", real)
+    got = be.prefill(prompt), be.extend(np.array([3, 4]))
+    want = fresh.prefill(prompt), fresh.extend(np.array([3, 4]))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    kv = be._kv  # what is bound is what is held
+    held = [b for side in kv.buffers for b in side] if arch == "t5" else kv.buffers
+    bound = [p for side in kv.ptrs for p in side] if arch == "t5" else kv.ptrs
+    assert bound == [b.ctypes.data for b in held]
+
+
+def test_rewind_to_takes_integer_positions_only(tiny_bundle):
+    """A float position was taken (length 9.5) and the next call failed in ONNX Runtime's binding
+    with a raw TypeError; the XLA backend refused it."""
+    be, _, _ = _backends(tiny_bundle("llama"))["target"]
+    be.prefill(np.array([5, 9, 4, 17, 5, 8]))
+    for bad in (2.5, np.float64(3.0), True):
+        with pytest.raises(InvalidArgumentError, match="needs an integer 0 <= n <= length=6"):
+            be.rewind_to(bad)
+    be.rewind_to(np.int64(4))
+    assert be.length == 4 and type(be.length) is int
+    assert be.extend(np.array([3])).shape[0] == 1
