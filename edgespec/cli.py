@@ -4,6 +4,7 @@ that ``edgespec generate`` never imports torch. A module exposes ``add_arguments
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
 import importlib.util
@@ -157,7 +158,8 @@ def run_script(main: Callable[[], int | None], name: str) -> int:
             signal.signal(signal.SIGTERM, _raise_terminated)
             running.set()
             sys.unraisablehook = lambda u: _deliver_again(u, previous_hook, running)
-        return int(main() or 0)
+        with _escaping_stdout():
+            return int(main() or 0)
     except EdgeSpecError as exc:
         print(f"{name}: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -196,6 +198,33 @@ def run_script(main: Callable[[], int | None], name: str) -> int:
         if terminate:  # None: a handler set outside Python, which signal() cannot reinstall
             signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
             sys.unraisablehook = previous_hook
+
+
+@contextlib.contextmanager
+def _escaping_stdout():
+    """A terminal or file in an encoding without some character a command writes (generated text, a
+    path; ASCII, cp1252) took a traceback mid-output (a review's find): such characters are written
+    as escapes while the command runs, and stdout's own error handler is put back after it (an
+    application calling main() keeps its own). A closed stdout (fd 1 closed at start: Python leaves
+    sys.stdout None) discards what is written, as print() does, instead of an AttributeError."""
+    stream = sys.stdout
+    if stream is None:
+        sys.stdout = open(os.devnull, "w")
+        try:
+            yield
+        finally:
+            sys.stdout.close()
+            sys.stdout = None
+        return
+    if not callable(getattr(stream, "reconfigure", None)):
+        yield
+        return
+    before = stream.errors
+    stream.reconfigure(errors="backslashreplace")
+    try:
+        yield
+    finally:  # (on a closed pipe its flush raises BrokenPipeError: run_script's exit 141)
+        stream.reconfigure(errors=before)
 
 
 # optional packages -> the extra that installs them (pyproject.toml); the runtime needs none of them

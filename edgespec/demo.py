@@ -78,6 +78,12 @@ def _fmt(x: float, spec: str = ".3f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def _ratio(x: float) -> str:
+    """A ratio with its x, or n/a where it was not measured (not "n/ax")."""
+    cell = _fmt(x, ".2f")
+    return cell if cell == "n/a" else cell + "x"
+
+
 def _print_row(row: dict, auto_shown: bool = False) -> None:
     if row["gamma"] is not None:
         g = row["gamma"]
@@ -92,10 +98,10 @@ def _print_row(row: dict, auto_shown: bool = False) -> None:
     print(f"    tokens/s speculative           {_fmt(row['spec_tokens_per_s'], '.1f')}")
     # each repeat's ratio is taken within the repeat, so this is not the ratio of the two medians above
     ratios = ", ".join(f"{r:.2f}" for r in row.get("speedup_all") or [])
-    print(f"    speedup (each repeat, median)  {_fmt(row['speedup'], '.2f')}x   "
-          f"Theorem 3.8 predicts {_fmt(row['predicted_speedup'], '.2f')}x"
+    print(f"    speedup (each repeat, median)  {_ratio(row['speedup'])}   "
+          f"Theorem 3.8 predicts {_ratio(row['predicted_speedup'])}"
           + (f"   (per repeat: {ratios})" if ratios else ""))
-    print(f"    decode speedup (after 1st tok) {_fmt(row['decode_speedup'], '.2f')}x   "
+    print(f"    decode speedup (after 1st tok) {_ratio(row['decode_speedup'])}   "
           f"(prefill and first token: {_fmt(row['plain_ttft_s'] * 1e3, '.1f')} ms plain, "
           f"{_fmt(row['spec_ttft_s'] * 1e3, '.1f')} ms speculative)")
     if "target_read_reduction" in row:
@@ -104,7 +110,8 @@ def _print_row(row: dict, auto_shown: bool = False) -> None:
               f"({row['target_read_reduction']:.2f}x fewer; draft adds {row['draft_bytes_per_token_spec'] / 1e6:.2f} MB)")
     if row["gamma"] is None and row["plain_step_share"] > 0.05:
         print(f"    plain target steps             {row['plain_step_share']:.0%} of the tokens ({plain_step_causes(row)})")
-    elif row["gamma"] is not None and row["speedup"] < 1:
+    elif row["gamma"] is not None and row["speedup"] < 1 and not math.isnan(row["verify_cost_steps"]):
+        # (with no round drafted, e.g. --max-new-tokens 1, the two ran the same steps: nothing to explain)
         print(f"    slower than plain decoding here: a verify call cost {_fmt(row['verify_cost_steps'], '.2f')} plain "
               "steps. Adaptive gamma (the default of `edgespec generate` and the API) takes plain steps where "
               "drafting loses: " + ("the gamma auto row at this temperature" if auto_shown

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -166,6 +165,9 @@ def read_prompt(args: argparse.Namespace) -> str:
     path = args.prompt_file
     try:
         if path == "-":
+            if sys.stdin is None:  # (fd 0 closed at start, `<&-`: Python leaves sys.stdin None)
+                raise InvalidArgumentError("--prompt-file -: standard input is closed; pipe the prompt in, or use "
+                                           "--prompt TEXT or --prompt-file PATH")
             if sys.stdin.isatty():
                 print("[reading the prompt from standard input; end it with Ctrl-D]", file=sys.stderr)
             stdin = getattr(sys.stdin, "buffer", None)
@@ -188,29 +190,7 @@ def read_prompt(args: argparse.Namespace) -> str:
     return text
 
 
-@contextlib.contextmanager
-def _escaping_stdout():
-    """A terminal or file in an encoding without some generated character (ASCII, cp1252) took a
-    traceback mid-text (a review's find): such characters are written as escapes while the command runs,
-    and stdout's own error handler is put back after it (an application calling main() keeps its own)."""
-    stream = sys.stdout
-    if not callable(getattr(stream, "reconfigure", None)):
-        yield
-        return
-    before = stream.errors
-    stream.reconfigure(errors="backslashreplace")
-    try:
-        yield
-    finally:
-        stream.reconfigure(errors=before)
-
-
 def run(args: argparse.Namespace) -> int:
-    with _escaping_stdout():
-        return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     from .api import default_target_threads, load
     from .cli import _Terminated
     from .report import json_safe

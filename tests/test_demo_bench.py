@@ -484,6 +484,11 @@ def test_demo_says_when_speculation_loses_and_what_adaptive_gamma_did(capsys):
                 "plain_step_causes": {"adaptive_policy": 0.875, "nothing_drafted": 0.0, "no_room": 0.0}})
     out = capsys.readouterr().out
     assert "gamma auto (nothing drafted)" in out and "mean nan" not in out, out
+    _print_row({**base, "gamma": 4, "speedup": 0.96, "predicted_speedup": nan, "decode_speedup": nan,
+                "verify_cost_steps": nan})  # no round drafted (--max-new-tokens 1)
+    out = capsys.readouterr().out  # a ratio not measured is n/a, not "n/ax"
+    assert "n/ax" not in out and "predicts n/a" in out and "decode speedup (after 1st tok) n/a " in out, out
+    assert "verify call cost n/a" not in out and "slower" not in out, out  # (both ran plain steps only)
 
 
 def test_demo_checks_its_options_before_training(monkeypatch, capsys):

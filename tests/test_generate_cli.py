@@ -362,3 +362,40 @@ def test_text_the_terminal_cannot_encode_is_escaped_not_a_traceback(tiny_bundle,
     sys.stdout.flush()
     assert b"\\xe9" in raw.getvalue()  # each block's character, escaped
     assert sys.stdout.errors == "strict"  # the escaping was for the command: an application keeps its own
+
+
+def test_every_command_escapes_what_the_terminal_cannot_encode(tiny_bundle, tmp_path, monkeypatch):
+    """The escaping was generate's own: bench wrote its files, then its last line ("wrote ...", a
+    folder named résultats) took a traceback on an ASCII stdout; the demo's streamed text did too."""
+    import io
+    import sys
+
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
+    out = tmp_path / "r\u00e9sultats"
+    assert main(["bench", str(tiny_bundle("llama")), "--gammas", "2", "--temperatures", "0", "--repeats", "1",
+                 "--max-new-tokens", "4", "--prompts", str(_one_prompt(tmp_path)), "--quiet", "--out", str(out)]) == 0
+    sys.stdout.flush()
+    assert b"r\\xe9sultats" in raw.getvalue() and (out / "bench.json").is_file()
+    assert sys.stdout.errors == "strict"
+
+
+def _one_prompt(tmp_path):
+    path = tmp_path / "prompts.txt"
+    path.write_text("the cat sat")
+    return path
+
+
+def test_closed_standard_streams_are_not_a_traceback(tiny_bundle, monkeypatch, capsys):
+    """With fd 0 or 1 closed at start (`<&-`, `>&-`, some daemons) Python leaves sys.stdin / sys.stdout
+    None: an AttributeError traceback. Now a closed stdin is a typed error, and a closed stdout
+    discards the text, as print() does."""
+    import sys
+
+    bundle = str(tiny_bundle("gpt2"))
+    monkeypatch.setattr(sys, "stdin", None)
+    assert main(["generate", bundle, "--prompt-file", "-"]) == 2
+    assert "--prompt-file -: standard input is closed" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdout", None)
+    assert main(["generate", bundle, "--prompt", PROMPT, "--max-new-tokens", "3", "--seed", "0"]) == 0
+    assert sys.stdout is None  # put back as it was
