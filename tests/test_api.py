@@ -1,6 +1,7 @@
 """edgespec.api.load(...).generate(...) on exported tiny GPT-2 / Llama / T5 bundles."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -357,3 +358,80 @@ def test_public_names_and_thread_oversubscription(tiny_bundle):
     assert err.value.knob == "prompt" and issubclass(edgespec.PromptTooLongError, edgespec.InvalidArgumentError)
     for name in ("BundleError", "ProviderError", "InvalidArgumentError"):
         assert issubclass(getattr(edgespec, name), edgespec.EdgeSpecError) and name in edgespec.__all__
+
+
+# (the tests below pin what a mutation audit's surviving mutants changed: each fails on its mutant)
+@pytest.fixture(scope="module")
+def eng(engines):
+    return engines("gpt2")
+
+
+def test_top_k_and_top_p_reach_the_sampler(eng):
+    greedy = eng.generate(PROMPT, max_new_tokens=16, temperature=0).ids
+    for seed in range(3):
+        for kw in ({"top_k": 1}, {"top_p": 1e-9}):
+            for gamma in (3, None):
+                out = eng.generate(PROMPT, max_new_tokens=16, temperature=1.0, seed=seed, gamma=gamma, **kw)
+                assert out.ids == greedy, (seed, kw, gamma)
+
+
+def test_every_stop_id_stops(eng):
+    longer = eng.generate(PROMPT, max_new_tokens=20, temperature=0)
+    stop = longer.ids[6]
+    unused = next(i for i in range(eng.vocab_size) if i not in longer.ids)
+    cut = eng.generate(PROMPT, max_new_tokens=20, temperature=0, stop_token_ids=[unused, stop])
+    assert cut.finish_reason == "stop" and cut.ids == longer.ids[:longer.ids.index(stop) + 1]
+
+
+def test_stop_ids_stop_a_stream(eng):
+    longer = eng.generate(PROMPT, max_new_tokens=20, temperature=0)
+    stop = longer.ids[6]
+    full = eng.generate(PROMPT, max_new_tokens=20, temperature=0, stop_token_ids=[stop])
+    stream = eng.generate(PROMPT, max_new_tokens=20, temperature=0, stop_token_ids=[stop], stream=True)
+    assert [t for c in stream for t in c.ids] == full.ids and stream.result.finish_reason == "stop"
+
+
+def test_the_bundles_eos_ids_end_generation(tiny_bundle):
+    e = load(tiny_bundle("gpt2"), threads=1)
+    longer = e.generate(PROMPT, max_new_tokens=20, temperature=0)
+    eos = longer.ids[6]
+    m = e.manifest
+    e.manifest = dataclasses.replace(m, models={**m.models, "target": dataclasses.replace(m.target, eos_token_ids=[eos])})
+    out = e.generate(PROMPT, max_new_tokens=20, temperature=0)
+    assert out.finish_reason == "eos" and out.ids == longer.ids[:longer.ids.index(eos) + 1]
+
+
+def test_seeded_hybrid_run_ignores_what_the_engine_learned(tiny_bundle):
+    prompt = [5, 9, 4, 7, 5, 9, 4, 7, 5, 9, 4, 7, 5, 9]
+    first = load(tiny_bundle("llama")).generate(prompt, max_new_tokens=24, temperature=1.0, seed=3, drafter="hybrid",
+                                                gamma=3).ids
+    e = load(tiny_bundle("llama"))
+    e.generate(prompt, max_new_tokens=40, temperature=1.0, drafter="hybrid", gamma=3)   # unseeded: the engine's hybrid learns
+    shape = (e._hybrid.max_ngram + 1, 10)
+    e._hybrid._stats = {k: (np.stack([np.full(shape, 1e9), np.zeros(shape)]), np.full(shape, 1e9))
+                        for k in e._hybrid._stats}                                     # ... to look up everywhere
+    assert e.generate(prompt, max_new_tokens=24, temperature=1.0, seed=3, drafter="hybrid", gamma=3).ids == first
+
+
+def test_no_greedy_warning_when_sampling(eng):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eng.generate(PROMPT, max_new_tokens=4, temperature=0.7, top_k=5, top_p=0.9, seed=0)
+
+
+def test_decode_refuses_the_id_past_the_tokenizer(eng):
+    size = eng.manifest.target.tokenizer_size
+    eng.decode([size - 1])
+    with pytest.raises(InvalidArgumentError, match="decode takes"):
+        eng.decode([size])
+
+
+def test_the_oldest_policy_is_evicted(eng):
+    from edgespec import api
+    eng._policies.clear()
+    for i in range(api._MAX_POLICIES):
+        eng._policies[("dummy", i)] = object()
+    eng.generate(PROMPT, max_new_tokens=4, temperature=0.5)
+    assert ("dummy", 0) not in eng._policies and ("dummy", api._MAX_POLICIES - 1) in eng._policies
+    assert len(eng._policies) == api._MAX_POLICIES
+    eng._policies.clear()  # (the dummies go: the engine is the module's)

@@ -1202,3 +1202,68 @@ def test_lookups_that_propose_nothing_are_not_charged_to_c(monkeypatch):
     assert s.empty_draft_s >= 0.01 * s.empty_drafts
     assert s.draft_s < 0.01 * s.empty_drafts  # the drafted rounds' lookups only (microseconds each)
     assert s.plain_steps >= s.empty_drafts and s.declined_steps == 0  # a fixed gamma: no policy
+
+
+# (the tests below pin what a mutation audit's surviving mutants changed: each fails on its mutant)
+LOGITS = np.log(np.array([[0.1, 0.2, 0.3, 0.4]]))                                # [1, V]
+
+
+def test_top_k_1_is_the_argmax():
+    assert process_logits(LOGITS, SamplingConfig(1.0, top_k=1)).tolist() == [[0, 0, 0, 1]]
+    out = np.empty(4)
+    for u in (0.0, 0.3, 0.99):
+        assert sample_row(LOGITS[0], SamplingConfig(0.8, top_k=1), u, out) == 3
+
+
+def test_top_k_and_top_p_combine():
+    # top-k 3 -> [0, 2/9, 3/9, 4/9]; then the nucleus at 0.5 keeps 4/9 and 3/9
+    got = process_logits(LOGITS, SamplingConfig(1.0, top_k=3, top_p=0.5))
+    assert got == pytest.approx(np.array([[0, 0, 3 / 7, 4 / 7]]))
+
+
+def test_temperature_is_applied_before_the_nucleus():
+    # T = 2: p ~ sqrt([.1, .2, .3, .4]) = [.163, .230, .282, .325]; mass before the 3rd largest .555 < .7,
+    # so the nucleus keeps 3 tokens (the untempered nucleus at 0.7 would keep 2)
+    s = np.sqrt([0.0, 0.2, 0.3, 0.4])
+    got = process_logits(LOGITS, SamplingConfig(2.0, top_p=0.7))
+    assert got == pytest.approx((s / s.sum())[None])
+
+
+def test_top_k_keeps_every_tie_at_the_threshold():
+    logits = np.array([[3.0, 2.0, 2.0, 0.0]])
+    e = np.exp([3.0, 2.0, 2.0])
+    got = process_logits(logits, SamplingConfig(1.0, top_k=2))
+    assert got == pytest.approx(np.array([[*(e / e.sum()), 0.0]]))
+
+
+def test_policy_reads_the_bin_it_learned_into():
+    from edgespec.adaptive import AdaptiveGamma
+    pol = AdaptiveGamma(8, fixed_costs=(0.05, 0.1))
+    for _ in range(100):
+        pol.update(np.full(4, 0.47), 4, 0.0, 0.0)    # confidence 0.47 (bin 4): always kept
+        pol.update(np.full(1, 0.57), 0, 0.0, 0.0)    # confidence 0.57 (bin 5): always rejected
+    pol.start_round()
+    assert pol.keep_going(1, 0.47)
+    pol.start_round()
+    assert not pol.keep_going(1, 0.57)
+
+
+def test_fixed_costs_price_a_verify_of_k_tokens_at_1_plus_slope_k_minus_1():
+    # fixed costs (0, 1): i drafts cost a verify of i + 1 tokens = 1 + i steps. Keep rate 0.8: one draft
+    # gives 1.8 tokens in 2 steps (0.9/step), two give 2.44 in 3 (0.81/step): stop after one.
+    from edgespec.adaptive import AdaptiveGamma
+    pol = AdaptiveGamma(8, fixed_costs=(0.0, 1.0))
+    for _ in range(3000):
+        pol.update(np.full(1, 0.85), 1, 0.0, 0.0, keep=np.full(1, 0.8))
+    pol.start_round()
+    assert not pol.keep_going(1, 0.85)
+
+
+def test_fixed_costs_price_drafted_rounds_like_start_round():
+    # fixed costs (0, 1.5): a round of 1 draft (always kept) commits 2 tokens for a verify of 2 tokens,
+    # 2.5 steps: slower than plain steps (1 token per step), so the policy takes plain steps
+    from edgespec.adaptive import AdaptiveGamma
+    pol = AdaptiveGamma(8, fixed_costs=(0.0, 1.5))
+    for _ in range(20):
+        pol.update(np.full(1, 0.9), 1, 0.0, 0.0, keep=np.ones(1))
+    assert pol.draft_next() is False

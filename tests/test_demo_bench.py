@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from edgespec.cli import main
+from edgespec.config import SamplingConfig
 from edgespec.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.slow
@@ -1160,3 +1161,58 @@ def test_an_unwritable_report_folder_is_named_as_given():
     with pytest.raises(OutputPathError, match=r"^cannot write --out '/proc/edgespec-x': '/proc' is not a writable") as e:
         check_report_folder(Path("/proc/edgespec-x"))
     assert "results.json" not in str(e.value)
+
+
+# (the tests below pin what a mutation audit's surviving mutants changed: each fails on its mutant)
+def _stats(**kw):
+    from edgespec.loop import GenerationStats
+    base = dict(target_calls=11, target_s=0.15, draft_calls=40, draft_s=0.012, beta_sum=20.0, beta_count=25,
+                rounds=10, drafted=40, round_tokens=40)
+    base.update(kw)
+    return GenerationStats(**base)
+
+
+def test_mean_gamma_is_drafts_per_round():
+    from edgespec.measure import Setting, SettingResult
+    r = SettingResult(Setting(gamma=4, sampling=SamplingConfig(1.0)), stats=[_stats()], plain_step=[0.2, 20]).summary()
+    assert r["mean_gamma"] == pytest.approx(4.0)
+
+
+def test_accepted_hist_sums_over_runs():
+    from edgespec.measure import Setting, SettingResult
+    stats = [_stats(accepted_hist=[1, 2]), _stats(accepted_hist=[3]), _stats(accepted_hist=[0, 0, 5])]
+    r = SettingResult(Setting(gamma=4, sampling=SamplingConfig(1.0)), stats=stats, plain_step=[0.2, 20]).summary()
+    assert r["accepted_hist"] == [4, 2, 5]
+
+
+def _toy_run(seed=0, sampling=SamplingConfig(1.0)):
+    from edgespec.measure import ReadCounter, Setting, run_settings
+    from edgespec.toy import toy_pair
+    target, draft = toy_pair(vocab_size=40, order=3, noise=1.0, seed=2, max_length=256)
+    return run_settings(ReadCounter(target, 100, 1), ReadCounter(draft, 10, 1), [[1, 2, 3], [4, 5], [6]],
+                        [Setting(3, sampling)], max_new_tokens=10, repeats=2, warmup=1, seed=seed)
+
+
+def test_plain_step_count_excludes_the_prefill():
+    res = _toy_run()
+    # 2 kept repeats x 3 prompts x (10 tokens: 1 from the prefill + 9 steps)
+    assert res[0].plain_step[1] == 2 * 3 * 9
+
+
+def test_bench_seed_reaches_the_runs(monkeypatch):
+    from edgespec import measure
+    seen = []
+    real = measure.generate
+
+    def spy(tb, prompt, cfg, rng, drafter=None, policy=None):
+        r = real(tb, prompt, cfg, rng, drafter, policy=policy)
+        seen.append(tuple(r.tokens))
+        return r
+
+    monkeypatch.setattr(measure, "generate", spy)
+    runs = []
+    for seed in (0, 0, 12345):
+        seen.clear()
+        _toy_run(seed)
+        runs.append(list(seen))
+    assert runs[0] == runs[1] and runs[0] != runs[2]

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from edgespec import theory
@@ -71,3 +73,26 @@ def test_plan_and_toy_edge_cases(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err, err
+
+
+# (the tests below pin what a mutation audit's surviving mutants changed: each fails on its mutant)
+def test_paper_c_unknown_verify_cost_is_as_if_one():
+    assert theory.paper_c(0.1, 2.0) == pytest.approx(0.2)
+    assert theory.paper_c(0.1, float("nan")) == 0.1
+
+
+def test_corollary_needs_alpha_strictly_above_c():
+    assert theory.corollary_bound(0.2, 0.2) is None
+
+
+def test_plan_with_no_speedup_at_all(capsys):
+    assert main(["plan", "--alpha", "0", "--c", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "no gamma speeds decoding up here (best: gamma 1, 1.000x)" in out
+
+
+def test_plan_table_columns(capsys):
+    assert main(["plan", "--alpha", "0.5", "--c", "0.1", "--max-gamma", "2"]) == 0
+    rows = {int(l.split()[0]): l.split() for l in capsys.readouterr().out.splitlines() if re.match(r"\s+\d+\s", l)}
+    # gamma 2: tokens 1.75, speedup 1.75/1.2, ops (2*0.1 + 3)/1.75 (c-hat defaults to c), reads 1/1.75
+    assert rows[2][:5] == ["2", "1.750", "1.458x", "1.829x", "0.571x"]
