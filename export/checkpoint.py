@@ -112,8 +112,13 @@ def check_safetensors(files: list[Path], role: str) -> None:
     from safetensors import safe_open
 
     for f in files:
-        with open(f, "rb") as fh:
-            head = fh.read(64)
+        try:
+            with open(f, "rb") as fh:
+                head = fh.read(64)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            # a dangling link (a hub cache cleaned under a --local-dir download), or a folder
+            raise CheckpointError(f"{role} weights {str(f)!r} cannot be opened ({exc.strerror}: a dangling link or not a "
+                                  "file); restore the file, or download or save the checkpoint again") from exc
         if head.startswith(b"version https://git-lfs"):
             raise CheckpointError(f"{role} weights {str(f)!r} are a Git LFS pointer, not the file; run `git lfs pull`")
         try:

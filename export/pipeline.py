@@ -402,6 +402,14 @@ def _lower_xla(roles: dict[str, Checkpoint], tmp: Path, xla: dict, checked: dict
     return summary
 
 
+def _config_rows(config: dict) -> int | None:
+    """A config's vocab_size where it is a positive integer; None where it is absent or null (the
+    model class's default then applies: a pair was refused for "0 embedding rows", and a null took
+    a traceback; the rows are checked again from the exported graphs)."""
+    rows = config.get("vocab_size")
+    return rows if isinstance(rows, int) and not isinstance(rows, bool) and rows > 0 else None
+
+
 def _export_bundle(target, out, draft, options: ExportOptions, progress: Callable[[str], None],
                    xla: dict | None) -> BundleManifest:
     roles: dict[str, Checkpoint] = {contract.ROLE_TARGET: inspect_checkpoint(target, contract.ROLE_TARGET)}
@@ -445,7 +453,7 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
     if draft is not None:
         t, d = roles[contract.ROLE_TARGET], roles[contract.ROLE_DRAFT]
         tok_record = shared_vocab(load_vocab(t.path), load_vocab(d.path),
-                                  int(t.config.get("vocab_size", 0)), int(d.config.get("vocab_size", 0)))
+                                  _config_rows(t.config), _config_rows(d.config))
 
     quantized = frozenset(role for role in roles if (options.quantize_target if role == contract.ROLE_TARGET
                                                       else options.quantize_draft) != "none")

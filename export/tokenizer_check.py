@@ -27,16 +27,17 @@ def tokenizer_size(vocab: dict[str, int]) -> int:
     return max(vocab.values(), default=-1) + 1
 
 
-def check_model_covers_tokenizer(vocab: dict[str, int], model_vocab: int, role: str) -> None:
+def check_model_covers_tokenizer(vocab: dict[str, int], model_vocab: int | None, role: str) -> None:
     size = tokenizer_size(vocab)
-    if size > model_vocab:
+    if model_vocab is not None and size > model_vocab:  # (None: not known yet)
         raise TokenizerMismatchError(
             f"the {role} tokenizer has ids up to {size - 1} but the model has only {model_vocab} embedding rows; "
             "use the tokenizer that was trained with this model"
         )
 
 
-def shared_vocab(target_vocab: dict[str, int], draft_vocab: dict[str, int], target_rows: int, draft_rows: int) -> dict:
+def shared_vocab(target_vocab: dict[str, int], draft_vocab: dict[str, int], target_rows: int | None,
+                 draft_rows: int | None) -> dict:
     """Return the compatibility record for the manifest, or raise TokenizerMismatchError."""
     if target_vocab != draft_vocab:
         t_items, d_items = set(target_vocab.items()), set(draft_vocab.items())
@@ -51,6 +52,8 @@ def shared_vocab(target_vocab: dict[str, int], draft_vocab: dict[str, int], targ
     size = tokenizer_size(target_vocab)
     check_model_covers_tokenizer(target_vocab, target_rows, "target")
     check_model_covers_tokenizer(draft_vocab, draft_rows, "draft")
+    if target_rows is None or draft_rows is None:  # (before the export, rows not known: the checks only)
+        return {"identical_token_to_id_mapping": True, "tokenizer_size": size}
     return {
         "identical_token_to_id_mapping": True,
         "tokenizer_size": size,

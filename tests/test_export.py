@@ -117,6 +117,34 @@ def test_dynamic_int8_of_a_large_graph_keeps_its_weights_outside(tiny_checkpoint
         eng.generate(ids, max_new_tokens=12, temperature=0, use_draft=False).ids
 
 
+def test_a_dangling_weights_link_and_a_config_without_vocab_size(tiny_checkpoints, tmp_path, capsys):
+    """A model.safetensors that is a dangling link (a hub cache cleaned under a --local-dir download)
+    took a FileNotFoundError traceback; a pair whose config.json has no vocab_size was refused for "0
+    embedding rows" (the model class's default applies), and a null one took a TypeError traceback
+    (a review's finds)."""
+    from edgespec.export.pipeline import _config_rows
+    from edgespec.export.tokenizer_check import shared_vocab
+
+    target, draft = tiny_checkpoints("llama")
+    dangling = tmp_path / "dangling"
+    shutil.copytree(draft, dangling)
+    (dangling / "model.safetensors").unlink()
+    (dangling / "model.safetensors").symlink_to(tmp_path / "gone.safetensors")
+    _cli_fails(["export", "--model", str(dangling), "--out", str(tmp_path / "o-d")], capsys, "a dangling link or not a file")
+    assert _nothing_written(tmp_path / "o-d")
+    # vocab_size absent or null: not known before the export (the graphs' rows are checked after it)
+    assert _config_rows({}) is None and _config_rows({"vocab_size": None}) is None and _config_rows({"vocab_size": 64}) == 64
+    vocab = {"a": 0, "b": 1}
+    assert shared_vocab(vocab, vocab, None, None)["identical_token_to_id_mapping"]
+    null = tmp_path / "null-vocab"
+    shutil.copytree(draft, null)
+    cfg = json.loads((null / "config.json").read_text())
+    cfg["vocab_size"] = None
+    (null / "config.json").write_text(json.dumps(cfg))
+    _cli_fails(["export", "--target", str(target), "--draft", str(null), "--out", str(tmp_path / "o-n")], capsys, "error:")
+    assert _nothing_written(tmp_path / "o-n")
+
+
 def _nothing_written(out: Path) -> bool:
     return not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
 
