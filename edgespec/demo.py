@@ -18,7 +18,7 @@ from .errors import BundleError, InvalidArgumentError, OutputExistsError
 from .cli import at_least, parse_list
 from .measure import Setting, hardware_counters_note, run_settings
 from .prompts import CODE_PROMPTS
-from .report import OtherLoad, machine_description, warn_if_busy
+from .report import OtherLoad, cell, machine_description, ratio_cell, warn_if_busy
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,13 +75,11 @@ def ensure_bundle(pair_dir: Path, log) -> Path:
 
 
 def _fmt(x: float, spec: str = ".3f") -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+    return cell(x, spec, "n/a")
 
 
 def _ratio(x: float) -> str:
-    """A ratio with its x, or n/a where it was not measured (not "n/ax")."""
-    cell = _fmt(x, ".2f")
-    return cell if cell == "n/a" else cell + "x"
+    return ratio_cell(x, "n/a")
 
 
 def _print_row(row: dict, auto_shown: bool = False) -> None:

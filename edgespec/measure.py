@@ -121,9 +121,10 @@ class SettingResult:
         # tokens committed by plain target steps: a run's last token (no room for a draft), lookups
         # that found nothing, and those the adaptive policy found faster than drafted rounds
         emitted = sum(s.emitted for s in self.stats)
-        plain_share = sum(s.plain_steps for s in self.stats) / emitted if emitted else float("nan")
+        plain = sum(s.plain_steps for s in self.stats)
+        plain_share = plain / emitted if emitted else float("nan")
         declined, empty = sum(s.declined_steps for s in self.stats), sum(s.empty_drafts for s in self.stats)
-        no_room = sum(s.plain_steps for s in self.stats) - declined - empty
+        no_room = plain - declined - empty
         causes = {k: n / emitted if emitted else float("nan") for k, n in
                   (("adaptive_policy", declined), ("nothing_drafted", empty), ("no_room", no_room))}
         hist: list[int] = []

@@ -129,36 +129,37 @@ def machine_description() -> dict:
     return info
 
 
-def _f(x: float, spec: str = ".3f") -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+def cell(x: float, spec: str = ".3f", missing: str = "-") -> str:
+    """A measured value formatted, or ``missing`` where there is none (None or NaN)."""
+    return missing if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def _x(x: float, spec: str = ".2f") -> str:
-    """A ratio with its x, or - where it was not measured (not "-x")."""
-    cell = _f(x, spec)
-    return cell if cell == "-" else cell + "x"
+def ratio_cell(x: float, missing: str = "-") -> str:
+    """A ratio with its x, or ``missing`` where it was not measured (not "-x")."""
+    text = cell(x, ".2f", missing)
+    return text if text == missing else text + "x"
 
 
 def format_table(rows: list[dict]) -> str:
     nan = float("nan")
     # (header, width, cell of a row): every cell right-aligned under its header
-    cols = [("alpha", 6, lambda r: _f(r["alpha"])), ("c", 6, lambda r: _f(r["c"])),
-            ("tok/round", 9, lambda r: _f(r["tokens_per_round"], ".2f")),
-            ("(theory)", 8, lambda r: _f(r["expected_tokens_per_round"], ".2f")),
-            ("plain tok/s", 11, lambda r: _f(r["plain_tokens_per_s"], ".1f")),
-            ("spec tok/s", 10, lambda r: _f(r["spec_tokens_per_s"], ".1f")),
-            ("speedup", 8, lambda r: _x(r["speedup"])),
-            ("[IQR]", 13, lambda r: "[{}-{}]".format(*(_f(v, ".2f") for v in (r.get("speedup_iqr") or [nan] * 2)))),
-            ("decode", 7, lambda r: _x(r.get("decode_speedup", nan))),
-            ("Thm3.8", 7, lambda r: _x(r["predicted_speedup"])),
-            ("V", 5, lambda r: _f(r.get("verify_cost_steps", nan), ".2f")),
-            ("Thm3.8(V)", 9, lambda r: _x(r.get("predicted_speedup_verify_cost", nan))),
-            ("fewer reads", 11, lambda r: _x(r.get("target_read_reduction", nan)))]
+    cols = [("alpha", 6, lambda r: cell(r["alpha"])), ("c", 6, lambda r: cell(r["c"])),
+            ("tok/round", 9, lambda r: cell(r["tokens_per_round"], ".2f")),
+            ("(theory)", 8, lambda r: cell(r["expected_tokens_per_round"], ".2f")),
+            ("plain tok/s", 11, lambda r: cell(r["plain_tokens_per_s"], ".1f")),
+            ("spec tok/s", 10, lambda r: cell(r["spec_tokens_per_s"], ".1f")),
+            ("speedup", 8, lambda r: ratio_cell(r["speedup"])),
+            ("[IQR]", 13, lambda r: "[{}-{}]".format(*(cell(v, ".2f") for v in (r.get("speedup_iqr") or [nan] * 2)))),
+            ("decode", 7, lambda r: ratio_cell(r.get("decode_speedup", nan))),
+            ("Thm3.8", 7, lambda r: ratio_cell(r["predicted_speedup"])),
+            ("V", 5, lambda r: cell(r.get("verify_cost_steps", nan), ".2f")),
+            ("Thm3.8(V)", 9, lambda r: ratio_cell(r.get("predicted_speedup_verify_cost", nan))),
+            ("fewer reads", 11, lambda r: ratio_cell(r.get("target_read_reduction", nan)))]
     first = max([34] + [len(r["setting"]) for r in rows])   # (top-k, top-p and lenience lengthen a label)
     head = f"{'setting':<{first}} " + " ".join(f"{h:>{w}}" for h, w, _ in cols)
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['setting']:<{first}} " + " ".join(f"{cell(r):>{w}}" for _, w, cell in cols))
+        lines.append(f"{r['setting']:<{first}} " + " ".join(f"{fmt(r):>{w}}" for _, w, fmt in cols))
     notes = ["speedup: end to end (prefill and first token included), the median of the per-repeat spec / plain "
              "ratios [their IQR]; decode: the rate after the first token "
              "(time per output token), the part a draft can speed up",

@@ -360,10 +360,10 @@ class _KVInPlace:
 
     def release(self) -> None:
         """(Re)allocate the buffers; see _KVPingPong.release."""
-        self.buffers = self.ptrs = self._bound = None  # (none left bound where the allocation fails)
+        self._bound: _Binder | None = None  # new pointers: bind again (none left bound where the allocation fails)
+        self.buffers = self.ptrs = None
         self.buffers = [_alloc(self.shape, self.dtype, self.n_tensors, self) for _ in range(self.n_tensors)]
         self.ptrs = [b.ctypes.data for b in self.buffers]
-        self._bound: _Binder | None = None  # new pointers: bind again
 
     def prepare(self, n: int) -> None:
         # positions >= n are ignored by the graph (the mask says P = n) and overwritten
