@@ -22,7 +22,7 @@ import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from . import contract
 from .corpus import bar_options
@@ -340,11 +340,11 @@ def _generated_rows(batch_size: int, generated: float) -> int:
 
 def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps: int, batch_size: int, lr: float,
                 mode: str | None, seed: int, special_ids: dict, generated: float = 0.0, pool=None, init=None,
-                progress: bool = True, desc: str = "distill"):
+                progress: bool = True, desc: str = "distill", on_step: Callable[[int], None] | None = None):
     """Train a Llama draft. ``mode=None`` is the corpus-only baseline (cross-entropy on the same
     windows); otherwise the draft matches the target's distributions with the given loss. With
     ``generated > 0`` that fraction of each batch is rows of ``pool`` ``[N, context + 1]`` (the
-    target's continuations, see :func:`continuations`)."""
+    target's continuations, see :func:`continuations`). ``on_step(n)`` runs after the n-th step."""
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
@@ -389,6 +389,8 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
             bar.set_postfix({k: f"{v:.3f}" for k, v in post.items()}, refresh=False)  # update() draws, at its own pace
             bar.update(1)
             history.append(post)
+            if on_step is not None:
+                on_step(step + 1)
     draft.eval()
     return draft
 

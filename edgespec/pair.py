@@ -117,6 +117,12 @@ class PairPreset:
     weight_decay: float = 0.1
     checkpoint_every: int = 50  # steps between resumable training-state saves
     eval_windows: int = 64  # held-out windows of `context` tokens for validation loss and alpha
+    # After its corpus steps, the draft is distilled on the target for this many steps (0: not at
+    # all): see _distill_draft. Alpha is a property of the pair, not of either model's fit to the
+    # corpus (section 3.1): a draft that imitates the target is kept more often than one that
+    # imitates the text both were trained on.
+    draft_distill_steps: int = 0
+    draft_distill_pool: int = 256  # target continuations the distillation batches draw from
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or any(c in self.name for c in "/\\ "):
@@ -126,6 +132,8 @@ class PairPreset:
         for name in ("target_steps", "draft_steps", "batch_size", "checkpoint_every", "eval_windows"):
             _check_int(name, getattr(self, name))
         _check_int("warmup_steps", self.warmup_steps, 0)
+        _check_int("draft_distill_steps", self.draft_distill_steps, 0)
+        _check_int("draft_distill_pool", self.draft_distill_pool)
         for name in ("target_lr", "draft_lr", "weight_decay"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (v == 0 and name != "weight_decay"):
@@ -134,7 +142,10 @@ class PairPreset:
         self.draft.validate("draft")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.draft_distill_steps:  # (the recipes from before distillation keep their identity)
+            del d["draft_distill_steps"], d["draft_distill_pool"]
+        return d
 
     def fingerprint(self) -> str:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:8]
@@ -155,7 +166,7 @@ PRESETS: dict[str, PairPreset] = {
         target=ModelSize(hidden=256, layers=4, heads=4, intermediate=688),
         draft=ModelSize(hidden=96, layers=1, heads=2, intermediate=256),
         target_steps=280, draft_steps=300, batch_size=16, target_lr=2.5e-3, draft_lr=3e-3,
-        warmup_steps=20, checkpoint_every=40, eval_windows=64,
+        warmup_steps=20, checkpoint_every=40, eval_windows=64, draft_distill_steps=150,
     ),
     # For published benchmarks: a ~23M target (one target step then costs far more than the
     # draft's fixed per-call overhead) with the quick draft's size; about 40 min on 2 cores.
@@ -203,6 +214,8 @@ def _pair_dir_name(preset: PairPreset, corpus_sha: str, seed: int) -> str:
     name = preset.name
     if PRESETS.get(preset.name) != preset:  # a custom preset: never collide with a built-in one
         name += "-custom" + preset.fingerprint()
+    elif preset.draft_distill_steps:  # (not the folder of the same preset's pair from before distillation)
+        name += "-distilled"
     name += f"-{corpus_sha[:12]}"
     if seed:
         name += f"-seed{seed}"
@@ -348,7 +361,7 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
     if final.is_dir() and info_path.is_file():  # finished in an earlier (interrupted) run
         return json.loads(info_path.read_text())
 
-    salt = {"target": 1, "draft": 2}[role]
+    salt = {"target": 1, "draft": 2, "draft-corpus": 2}[role]
     config = size.llama_config(vocab_size, preset.context, **special_ids)
 
     def fresh():
@@ -386,7 +399,7 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
 
     model.train()
     t0 = time.perf_counter()
-    with tqdm(total=steps, initial=step, desc=f"train {role} ({n_params / 1e6:.2f}M params)", unit="step",
+    with tqdm(total=steps, initial=step, desc=f"train {role.replace('-corpus', ' on the corpus')} ({n_params / 1e6:.2f}M params)", unit="step",
               dynamic_ncols=True, **bar_options(progress)) as bar:
         while step < steps:
             for group in opt.param_groups:
@@ -416,6 +429,48 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
             "peak_lr": lr, "final_train_loss": last_loss, "val_loss": val, "train_seconds": round(elapsed, 2)}
     write_json(info_path, info)
     state_path.unlink(missing_ok=True)
+    return info
+
+
+# Distillation of the pair's draft: the fraction of each batch taken from the target's own
+# continuations (half greedy, half sampled at T=1: the text decoding verifies, repetition loops
+# included, which corpus windows never show), and the loss (forward KL + total variation; 1 - TV
+# is the acceptance rate beta of section 3.1).
+DISTILL_GENERATED = 0.5
+DISTILL_MODE = "mix"
+
+
+def _distill_draft(p: PairPreset, corpus_info: dict, train_ids, val_windows, special_ids: dict, seed: int, work: Path,
+                   hf_tok, progress: bool, callback: Callable[[str, int], None] | None) -> dict:
+    """Distil the corpus-trained draft (``work/draft-corpus``) on the target into ``work/draft``.
+    A minute on the quick pair, so an interrupted distillation starts over (from the corpus draft)."""
+    final, info_path = work / "draft", work / "draft.json"
+    if final.is_dir() and info_path.is_file():  # finished in an earlier (interrupted) run
+        return json.loads(info_path.read_text())
+    from transformers import LlamaForCausalLM
+
+    from .distill import continuations, train_draft
+
+    t0 = time.perf_counter()
+    target = LlamaForCausalLM.from_pretrained(work / "target", use_safetensors=True)
+    draft = LlamaForCausalLM.from_pretrained(work / "draft-corpus", use_safetensors=True)
+    # prefixes of a quarter context, continued by the target to the full window (as `edgespec distill`)
+    prefixes = _batch(train_ids, 0, seed, 11, p.draft_distill_pool, p.context)[:, :max(1, p.context // 4)]
+    pool = continuations(target, prefixes, p.context + 1, (0.0, 1.0), seed, progress=progress,
+                         desc="target continuations")                    # [pool, context + 1]
+    draft = train_draft(target, train_ids, p.draft, vocab_size=int(target.config.vocab_size), context=p.context,
+                        steps=p.draft_distill_steps, batch_size=p.batch_size, lr=p.draft_lr, mode=DISTILL_MODE,
+                        seed=seed, special_ids=special_ids, generated=DISTILL_GENERATED, pool=pool, init=draft,
+                        progress=progress, desc="distill draft on the target",
+                        on_step=None if callback is None else (lambda step: callback("draft", step)))
+    seconds = time.perf_counter() - t0
+    val = validation_loss(draft, val_windows)
+    save_checkpoint(draft, hf_tok, final)
+    info = {**corpus_info, "val_loss": val, "train_seconds": round(corpus_info["train_seconds"] + seconds, 2),
+            "distilled": {"steps": p.draft_distill_steps, "mode": DISTILL_MODE, "generated_fraction": DISTILL_GENERATED,
+                          "pool_size": p.draft_distill_pool, "peak_lr": p.draft_lr,
+                          "val_loss_before": corpus_info["val_loss"], "seconds": round(seconds, 2)}}
+    write_json(info_path, info)
     return info
 
 
@@ -601,10 +656,14 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
             val_windows = heldout_windows(held_ids, p.context, p.eval_windows)
             special = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad}
             infos = {}
+            distilled = p.draft_distill_steps > 0
             for role, size, steps, lr in (("target", p.target, p.target_steps, p.target_lr),
-                                          ("draft", p.draft, p.draft_steps, p.draft_lr)):
+                                          ("draft-corpus" if distilled else "draft", p.draft, p.draft_steps, p.draft_lr)):
                 infos[role] = _train_one(role, size, p, steps, lr, train_ids, val_windows, vocab, special, seed, work,
                                          hf_tok, progress, callback)
+            if distilled:
+                infos["draft"] = _distill_draft(p, infos.pop("draft-corpus"), train_ids, val_windows, special, seed, work,
+                                                hf_tok, progress, callback)
             from transformers import LlamaForCausalLM
 
             from .distill import measure_alpha
@@ -633,8 +692,10 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
                          "torch_threads": torch_threads},
         }
         check_swap(dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)  # refused now: the work folder still resumes
-        for name in ("identity.json", "tokenizer.json", "target.json", "draft.json", "target.state.pt", "draft.state.pt"):
+        for name in ("identity.json", "tokenizer.json", "target.json", "draft.json", "target.state.pt", "draft.state.pt",
+                     "draft-corpus.json", "draft-corpus.state.pt"):
             (work / name).unlink(missing_ok=True)
+        shutil.rmtree(work / "draft-corpus", ignore_errors=True)
         # From here the work folder is a finished pair (pair.json names its recipe): stopped before the
         # rename, the same command moves it into place (it was refused as "not a work folder").
         write_json(work / "pair.json", meta)

@@ -1,6 +1,7 @@
 """The train-pair recipe on the tiny preset: determinism, loading, cache reuse, resumption, bad inputs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -144,6 +145,63 @@ def test_resume_after_interruption(pair, corpus, tmp_path, stop_role, stop_step,
         assert all(r == "draft" for r, _ in seen)  # the finished target was not retrained
     assert _weights(final) == _weights(pair)
     assert not work.exists()
+
+
+_DISTILLED = dataclasses.replace(PRESETS["tiny"], draft_distill_steps=16, draft_distill_pool=16)
+
+
+@pytest.fixture(scope="module")
+def distilled_pair(corpus, tmp_path_factory) -> Path:
+    return train_pair(_DISTILLED, corpus, tmp_path_factory.mktemp("d") / "pair", seed=0, progress=False)
+
+
+def test_distilled_draft(pair, distilled_pair):
+    """A preset with draft_distill_steps distils its corpus-trained draft on the target: the same
+    target, a draft kept more often (alpha at T=1 on the held-out windows; at T=0 the tiny pair's
+    argmaxes never agree, either way), the corpus draft's report kept beside the distillation's."""
+    d, c = (json.loads((x / "pair.json").read_text()) for x in (distilled_pair, pair))
+    assert _weights(distilled_pair)["target"] == _weights(pair)["target"]
+    assert d["draft"]["distilled"]["steps"] == 16 and d["draft"]["distilled"]["pool_size"] == 16
+    assert d["draft"]["distilled"]["val_loss_before"] == c["draft"]["val_loss"]  # the corpus draft is the start
+    assert d["draft"]["val_loss"] == d["validation"]["draft_loss"] != c["draft"]["val_loss"]
+    assert d["validation"]["alpha"]["T1"] > c["validation"]["alpha"]["T1"] + 0.05, (d["validation"], c["validation"])
+    assert d["recipe"]["draft_distill_steps"] == 16 and "draft_distill_steps" not in c["recipe"]
+    assert sorted(x.name for x in distilled_pair.iterdir()) == ["draft", "pair.json", "target"]  # no draft-corpus/
+
+
+def test_presets_without_distillation_keep_their_identity():
+    """The field is left out of a recipe that does not distil, so a pair cached before the field
+    existed (a bench pair: an hour) is still reused; the quick pair's folder name changed with its
+    recipe (an old quick pair in the same folder would be refused as another recipe's)."""
+    assert set(PRESETS["bench"].to_dict()) == {f.name for f in dataclasses.fields(PairPreset)} - {
+        "draft_distill_steps", "draft_distill_pool"}
+    assert PRESETS["quick"].to_dict()["draft_distill_steps"] > 0
+    assert pair_mod._pair_dir_name(PRESETS["quick"], "ab" * 32, 0) == "quick-distilled-" + "ab" * 6
+    assert pair_mod._pair_dir_name(PRESETS["bench"], "ab" * 32, 0) == "bench-" + "ab" * 6
+    with pytest.raises(InvalidArgumentError, match="draft_distill_steps"):
+        dataclasses.replace(PRESETS["tiny"], draft_distill_steps=-1)
+
+
+@pytest.mark.parametrize("stop_role,stop_step", [("draft-corpus", 12), ("draft", 5)])
+def test_distilled_pair_resumes(distilled_pair, corpus, tmp_path, stop_role, stop_step):
+    """Interrupted in either draft phase, the rerun ends with the same weights, bit for bit: the
+    corpus phase resumes from its saved state, the distillation starts over from the corpus draft
+    (without retraining it)."""
+    out = tmp_path / "resumed"
+
+    def interrupt(role, step):
+        if role == stop_role and step == stop_step:
+            raise _Interrupt
+
+    with pytest.raises(_Interrupt):
+        train_pair(_DISTILLED, corpus, out, progress=False, callback=interrupt)
+    seen: list[tuple[str, int]] = []
+    final = train_pair(_DISTILLED, corpus, out, progress=False, callback=lambda r, s: seen.append((r, s)))
+    assert "target" not in {r for r, _ in seen}
+    if stop_role == "draft":
+        assert {r for r, _ in seen} == {"draft"} and seen[0] == ("draft", 1)
+    assert _weights(final) == _weights(distilled_pair)
+    assert not out.with_name("resumed.work").exists()
 
 
 def test_a_pair_stopped_while_moved_into_place_is_moved_by_the_rerun(pair, corpus, tmp_path, monkeypatch, capsys):
