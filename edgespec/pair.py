@@ -224,7 +224,7 @@ def _pair_dir_name(preset: PairPreset, corpus_sha: str, seed: int) -> str:
 
 def default_pair_dir(preset: str | PairPreset = "quick", corpus: Sequence[os.PathLike | str] | None = None,
                      seed: int = 0) -> Path:
-    """Where ``train_pair`` caches this pair: ``<cache>/pairs/<preset>-<corpus hash>``.
+    """Where ``train_pair`` caches this pair: ``<cache>/pairs/<preset>[-distilled]-<corpus hash>``.
 
     Reads the corpus (to hash it); a complete pair is there when ``pair.json`` is.
     """
@@ -749,11 +749,12 @@ def load_pair(pair_dir: os.PathLike | str):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="quick", choices=sorted(PRESETS),
-                        help="model sizes and steps: quick (minutes on a laptop CPU), bench (about 40 minutes on 2 cores), tiny (tests)")
+                        help="model sizes and steps: quick (minutes on a laptop CPU; its draft is then distilled on the target), "
+                             "bench (about 40 minutes on 2 cores), tiny (tests)")
     parser.add_argument("--corpus", nargs="+", metavar="FILE", type=Path, default=None,
                         help="text files or folders to train on (default: this Python's standard library sources)")
     parser.add_argument("--out", type=folder, default=None,
-                        help="output folder (default: the cache, $EDGESPEC_CACHE/pairs/<preset>-<corpus hash>); a pair of the same recipe already there is reused")
+                        help="output folder (default: the cache, $EDGESPEC_CACHE/pairs/<preset>[-distilled]-<corpus hash>); a pair of the same recipe already there is reused")
     parser.add_argument("--seed", type=at_least(0), default=0, help="random seed of the initial weights and batches (the same seed gives the same weights on the "
                              "same machine, torch version and thread count; elsewhere they may differ slightly)")
     parser.add_argument("--overwrite", action="store_true", help="retrain and replace an earlier pair at --out (only a pair folder that holds nothing else)")

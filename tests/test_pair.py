@@ -169,6 +169,31 @@ def test_distilled_draft(pair, distilled_pair):
     assert sorted(x.name for x in distilled_pair.iterdir()) == ["draft", "pair.json", "target"]  # no draft-corpus/
 
 
+def test_distillation_batches_hold_the_targets_own_text(corpus, tmp_path, monkeypatch):
+    """Half of each distillation batch comes from the target's continuations (greedy and sampled) of
+    corpus prefixes: corpus windows alone leave the states only the target's output reaches (the
+    quick target's runs of blank lines at greedy) untaught, where the draft is then never kept."""
+    from edgespec import distill
+
+    seen = {}
+    real_cont, real_train = distill.continuations, distill.train_draft
+
+    def cont(target, prefixes, length, temperatures, seed, **kw):
+        seen["cont"] = (tuple(prefixes.shape), length, tuple(temperatures))
+        return real_cont(target, prefixes, length, temperatures, seed, **kw)
+
+    def train(*a, **kw):
+        seen["train"] = (kw["mode"], kw["generated"], tuple(kw["pool"].shape), kw["steps"])
+        return real_train(*a, **kw)
+
+    monkeypatch.setattr(distill, "continuations", cont)
+    monkeypatch.setattr(distill, "train_draft", train)
+    train_pair(_DISTILLED, corpus, tmp_path / "p", progress=False)
+    ctx = _DISTILLED.context
+    assert seen["cont"] == ((16, ctx // 4), ctx + 1, (0.0, 1.0))
+    assert seen["train"] == ("mix", 0.5, (16, ctx + 1), 16)
+
+
 def test_presets_without_distillation_keep_their_identity():
     """The field is left out of a recipe that does not distil, so a pair cached before the field
     existed (a bench pair: an hour) is still reused; the quick pair's folder name changed with its
