@@ -695,7 +695,8 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
         for name in ("identity.json", "tokenizer.json", "target.json", "draft.json", "target.state.pt", "draft.state.pt",
                      "draft-corpus.json", "draft-corpus.state.pt"):
             (work / name).unlink(missing_ok=True)
-        shutil.rmtree(work / "draft-corpus", ignore_errors=True)
+        if (work / "draft-corpus").is_dir():  # (the distilled draft's start, in draft/ now)
+            shutil.rmtree(work / "draft-corpus")
         # From here the work folder is a finished pair (pair.json names its recipe): stopped before the
         # rename, the same command moves it into place (it was refused as "not a work folder").
         write_json(work / "pair.json", meta)
