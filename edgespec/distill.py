@@ -333,6 +333,20 @@ def continuations(target, prefixes, length: int, temperatures: Sequence[float], 
     return out
 
 
+def prefix_length(context: int) -> int:
+    """The prefixes the target continues: a quarter context (the target writes the rest)."""
+    return max(1, context // 4)
+
+
+def target_pool(target, train_ids, pool_size: int, context: int, seed: int, *, progress: bool = False):
+    """The pool on-policy batches draw from: the target's continuations (half greedy, half at T=1)
+    of ``pool_size`` corpus prefixes, ``[pool_size, context + 1]``."""
+    from .pair import _batch
+
+    prefixes = _batch(train_ids, 0, seed, 11, pool_size, context)[:, :prefix_length(context)]
+    return continuations(target, prefixes, context + 1, (0.0, 1.0), seed, progress=progress, desc="target continuations")
+
+
 def _generated_rows(batch_size: int, generated: float) -> int:
     """Rows of a batch taken from the target's continuations (the rest are corpus windows)."""
     return int(round(batch_size * generated))
@@ -459,7 +473,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     ``init`` continues a draft checkpoint in its own shape; ``layers`` above its count grows it first
     (:func:`grow_layers`)."""
     from .corpus import encode_docs, load_documents
-    from .pair import _batch, _check_int, heldout_windows, new_llama, validation_loss
+    from .pair import _check_int, heldout_windows, new_llama, validation_loss
 
     t0 = time.perf_counter()
     target_dir, out_dir = Path(target).expanduser(), Path(out).expanduser()
@@ -524,7 +538,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     windows = heldout_windows(held_ids, ctx, eval_windows)
     # The target's own text: prefixes of a quarter context, continued to the full context (section 3.3:
     # alpha is an expectation over the prefixes decoding visits, which are the target's output).
-    plen = max(1, ctx // 4)
+    plen = prefix_length(ctx)
     n_eval = min(32, len(windows))
     # even windows for T=0, odd ones for T=1 (with a single window, it serves both)
     on_target = {t: continuations(tmodel, windows[k % n_eval:n_eval:2, :plen], ctx, (t,), seed + 1, progress=progress,
@@ -568,8 +582,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     report["alpha_on_target_before"] = alphas_on_target(before)
     pool = None
     if generated > 0:
-        prefixes = _batch(train_ids, 0, seed, 11, pool_size, ctx)[:, :plen]
-        pool = continuations(tmodel, prefixes, ctx + 1, (0.0, 1.0), seed, progress=progress, desc="target continuations")
+        pool = target_pool(tmodel, train_ids, pool_size, ctx, seed, progress=progress)
     import copy
 
     start = copy.deepcopy(before)

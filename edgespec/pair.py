@@ -440,24 +440,20 @@ DISTILL_GENERATED = 0.5
 DISTILL_MODE = "mix"
 
 
-def _distill_draft(p: PairPreset, corpus_info: dict, train_ids, val_windows, special_ids: dict, seed: int, work: Path,
-                   hf_tok, progress: bool, callback: Callable[[str, int], None] | None) -> dict:
-    """Distil the corpus-trained draft (``work/draft-corpus``) on the target into ``work/draft``.
+def _distill_draft(p: PairPreset, target, corpus_info: dict, train_ids, val_windows, special_ids: dict, seed: int,
+                   work: Path, hf_tok, progress: bool, callback: Callable[[str, int], None] | None) -> dict:
+    """Distil the corpus-trained draft (``work/draft-corpus``) on ``target`` into ``work/draft``.
     A minute on the quick pair, so an interrupted distillation starts over (from the corpus draft)."""
     final, info_path = work / "draft", work / "draft.json"
     if final.is_dir() and info_path.is_file():  # finished in an earlier (interrupted) run
         return json.loads(info_path.read_text())
     from transformers import LlamaForCausalLM
 
-    from .distill import continuations, train_draft
+    from .distill import target_pool, train_draft
 
     t0 = time.perf_counter()
-    target = LlamaForCausalLM.from_pretrained(work / "target", use_safetensors=True)
     draft = LlamaForCausalLM.from_pretrained(work / "draft-corpus", use_safetensors=True)
-    # prefixes of a quarter context, continued by the target to the full window (as `edgespec distill`)
-    prefixes = _batch(train_ids, 0, seed, 11, p.draft_distill_pool, p.context)[:, :max(1, p.context // 4)]
-    pool = continuations(target, prefixes, p.context + 1, (0.0, 1.0), seed, progress=progress,
-                         desc="target continuations")                    # [pool, context + 1]
+    pool = target_pool(target, train_ids, p.draft_distill_pool, p.context, seed, progress=progress)  # [pool, context + 1]
     draft = train_draft(target, train_ids, p.draft, vocab_size=int(target.config.vocab_size), context=p.context,
                         steps=p.draft_distill_steps, batch_size=p.batch_size, lr=p.draft_lr, mode=DISTILL_MODE,
                         seed=seed, special_ids=special_ids, generated=DISTILL_GENERATED, pool=pool, init=draft,
@@ -661,14 +657,14 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
                                           ("draft-corpus" if distilled else "draft", p.draft, p.draft_steps, p.draft_lr)):
                 infos[role] = _train_one(role, size, p, steps, lr, train_ids, val_windows, vocab, special, seed, work,
                                          hf_tok, progress, callback)
-            if distilled:
-                infos["draft"] = _distill_draft(p, infos.pop("draft-corpus"), train_ids, val_windows, special, seed, work,
-                                                hf_tok, progress, callback)
             from transformers import LlamaForCausalLM
 
             from .distill import measure_alpha
 
             tm = LlamaForCausalLM.from_pretrained(work / "target", use_safetensors=True)
+            if distilled:
+                infos["draft"] = _distill_draft(p, tm, infos.pop("draft-corpus"), train_ids, val_windows, special, seed,
+                                                work, hf_tok, progress, callback)
             dm = LlamaForCausalLM.from_pretrained(work / "draft", use_safetensors=True)
             alpha = {f"T{t:g}": round(measure_alpha(tm, dm, val_windows, t), 4) for t in (0.0, 1.0)}
         prior = [json.loads((work / f"{r}.json").read_text()).get("train_seconds", 0) for r in ("target", "draft")]
