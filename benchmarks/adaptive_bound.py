@@ -156,9 +156,10 @@ class RegimeAdaptive(AdaptiveGamma):
         b = min(int(confidence * adaptive._BINS), adaptive._BINS - 1)
         return float(self._kept_r[self._regime, b] / self._seen_r[self._regime, b])
 
-    def start_round(self) -> None:
-        super().start_round()
+    def start_round(self):
+        keep_going = super().start_round()
         self._regime = int(not self._recent or np.mean(self._recent) >= self._split)
+        return keep_going
 
     def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float,
                keep: np.ndarray | None = None) -> None:

@@ -51,16 +51,24 @@ def policy_class(revision: str):
 
 
 def adapt(cls):
-    """``cls`` if its update() takes the loop's keep probabilities, else a subclass that drops them
-    (a revision before Verdict.keep learns from the drawn outcome)."""
-    if "keep" in inspect.signature(cls.update).parameters:
+    """``cls`` if this checkout's loop can run it, else a subclass that it can: its update() is
+    given only the arguments it takes (a revision before Verdict.keep learns from the drawn outcome,
+    one before confidence_s does not time confidences), and its start_round() returns the round's
+    keep_going (a revision before confidence_s returned nothing)."""
+    takes = inspect.signature(cls.update).parameters
+    if "confidence_s" in takes:
         return cls
 
-    class Before(cls):
-        def update(self, confidences, n_accepted, draft_s, target_s, keep=None):
-            return super().update(confidences, n_accepted, draft_s, target_s)
+    class Adapted(cls):
+        def update(self, confidences, n_accepted, draft_s, target_s, keep=None, confidence_s=0.0):
+            extra = {k: v for k, v in (("keep", keep), ("confidence_s", confidence_s)) if k in takes}
+            return super().update(confidences, n_accepted, draft_s, target_s, **extra)
 
-    return Before
+        def start_round(self):
+            keep_going = super().start_round()
+            return self.keep_going if keep_going is None else keep_going
+
+    return Adapted
 
 
 def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tokens: int, max_gamma: int = 8):

@@ -13,6 +13,8 @@ rate (a ratio of sums). Whether to draft token i + 1 is decided before it is dra
 draft's information up to token i and past rounds, never the target's verdict on this round, so
 exactness is untouched: each drafted position is an ordinary step of speculative sampling
 (Appendix A.1). Deciding after the draw (dropping a draft for its own low confidence) would not be.
+Where the confidence costs more to compute than it is worth (a softmax at greedy, next to a small
+target), rounds go without it: a_m is then the mean keep rate (see _CONF_WORTH).
 
 Theorem 3.8's objective includes gamma = 0. Before each round the policy compares the rate its
 drafted rounds achieved (tokens committed over the seconds they took, recent rounds) with a plain
@@ -21,6 +23,8 @@ whose weights stay in cache verifies k tokens for nearly k times the cost of one
 target rarely agrees with wastes its rounds. A plain step is plain decoding, so this too is exact.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -55,6 +59,17 @@ _MIN_EVIDENCE = 8      # timed drafted rounds before plain steps are considered 
 _REMEASURE = 64
 _EXPLORE, _EXPLORE_MAX = 16, 128
 _TRIAL = 4
+# The draft's confidence costs a softmax over the vocabulary at greedy (at T > 0 it is a lookup in q):
+# ~10 us a draft in the loop on a CPU (2048 ids, numpy cold after each model call), 4-5% of the quick
+# pair's tokens/s at gamma 5 (benchmarks/policy_overhead.py). What it buys, stopping a round at a
+# draft the draft doubts: this policy replayed at 1.016-1.023x the best static gamma on exact greedy
+# traces of the bench pair, and no rule on the confidence above 1.031x held out
+# (benchmarks/adaptive_bound.py). So where it costs more than _CONF_WORTH of a round's time, the
+# drafter is told not to compute it and the round treats every draft as one of unknown confidence
+# (the mean keep rate); one round in _CONF_SAMPLE still computes it, which keeps its cost measured
+# and the per-bin keep rates learning. A seeded run (fixed costs) always computes it.
+_CONF_WORTH = 0.02
+_CONF_SAMPLE = 16
 _COLD_PLAIN = 6        # plain steps after a drafted round that are not timed (see AdaptiveGamma._last)
 _PROBE = 4             # timed plain steps of a probe
 
@@ -145,6 +160,10 @@ class AdaptiveGamma:
         # round, 10% of a round on the quick pair.
         self._kept = [1.0] * _BINS           # [bins] Beta(1, 1) prior on each bin's keep rate
         self._seen = [2.0] * _BINS           # [bins]
+        self._all = [sum(self._kept), sum(self._seen)]  # (kept, seen) of every draft, its confidence known or not
+        self._conf = [0.0, 0.0]       # decayed (seconds computing confidences, seconds) of timed rounds that did
+        self._with_conf = True        # this round's drafter computes confidences
+        self._blind = 0               # rounds since one did
         self._rounds = 0
         self._draft_time = _LinearTime(proportional=True)  # drafts k -> seconds drafting a round
         self._target_time = _WidthTime(max_gamma + 2)       # verify width k -> seconds per target call
@@ -231,12 +250,21 @@ class AdaptiveGamma:
 
     # ---------------------------------------------------------------- predictions
     def _keep_prob(self, confidence: float) -> float:
+        if confidence != confidence:        # NaN: not computed this round (see _CONF_WORTH)
+            return self._mean_keep
         b = min(int(confidence * _BINS), _BINS - 1)
         return self._kept[b] / self._seen[b]
 
     # ---------------------------------------------------------------- per round
-    def start_round(self) -> None:
+    def start_round(self) -> Callable[[int, float], bool]:
+        """Start a drafted round; returns what the drafter asks after each draft (``keep_going``,
+        or the same rule without the draft's confidence where computing it costs more than it
+        is worth, see _CONF_WORTH)."""
         self._prob, self._expected = 1.0, 1.0
+        conf_s, round_s = self._conf
+        self._with_conf = (self._fixed is not None or round_s <= 0.0 or conf_s < _CONF_WORTH * round_s
+                           or self._blind + 1 >= _CONF_SAMPLE)
+        self._blind = 0 if self._with_conf else self._blind + 1
         # Nothing learned changes during a round (update() comes after it), so the fits and the
         # mean keep rate are read once here, not once per drafted token (keep_going is on the
         # draft loop's path).
@@ -247,7 +275,8 @@ class AdaptiveGamma:
         else:
             self._draft_line = self._draft_time.line()
             self._verify = self._target_time.table()
-        self._mean_keep = sum(self._kept) / sum(self._seen)
+        self._mean_keep = self._all[0] / self._all[1]
+        return self.keep_going if self._with_conf else self._keep_going_blind
 
     def keep_going(self, i: int, confidence: float) -> bool:
         """After drafting token i with the given confidence: draft token i + 1?"""
@@ -266,12 +295,19 @@ class AdaptiveGamma:
         spent = d_i + t_i
         return gain * spent > self._expected * cost
 
+    def _keep_going_blind(self, i: int, confidence: float) -> bool:
+        # the drafter gives NaN (see KeepGoing), a lookahead drafter's reused drafts their confidence
+        return self.keep_going(i, confidence)
+
+    _keep_going_blind.needs_confidence = False  # type: ignore[attr-defined]
+
     def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float,
-               keep: np.ndarray | None = None) -> None:
+               keep: np.ndarray | None = None, confidence_s: float = 0.0) -> None:
         """Learn from a finished round: which drafts were examined and kept, and the timings.
         ``keep`` [g]: the test's probability of keeping each draft once the ones before it are
         kept (``Verdict.keep``); with it the policy learns the round's expected outcome instead of
-        the one its uniforms drew (n_accepted)."""
+        the one its uniforms drew (n_accepted). ``confidences`` [g] may hold NaN (not computed);
+        ``confidence_s``: the part of ``draft_s`` spent computing them."""
         conf = np.asarray(confidences, dtype=np.float64).tolist()                  # [g]
         g = len(conf)
         # [g] the drawn outcome (the first n kept, the next one rejected) unless keep is given
@@ -283,16 +319,21 @@ class AdaptiveGamma:
         # kept drafts varies more than its mean). At greedy keep is 1 or 0 and the two coincide.
         kept = [x * _FORGET for x in self._kept]
         seen = [x * _FORGET for x in self._seen]
+        kept_all, seen_all = self._all[0] * _FORGET, self._all[1] * _FORGET
         reach, tokens = 1.0, 1.0                      # P(draft j examined); expected tokens committed
         for j in range(g):
             if reach <= 0.0:
                 break                                 # no later draft is examined either
-            b = min(int(conf[j] * _BINS), _BINS - 1)
-            seen[b] += reach
+            c, was = conf[j], reach
             reach *= keep[j]
-            kept[b] += reach
+            seen_all += was
+            kept_all += reach
             tokens += reach
-        self._kept, self._seen = kept, seen
+            if c == c:                                # (NaN: confidence not computed, no bin)
+                b = min(int(c * _BINS), _BINS - 1)
+                seen[b] += was
+                kept[b] += reach
+        self._kept, self._seen, self._all = kept, seen, [kept_all, seen_all]
         switched = False
         if g:
             self._rounds += 1
@@ -302,6 +343,9 @@ class AdaptiveGamma:
         if self._rounds <= self._untimed or switched:  # warm-up rounds (see _UNTIMED_ROUNDS), or cold (_last)
             return
         if g:
+            if self._with_conf and self._fixed is None:
+                self._conf = [self._conf[0] * _SPEC_FORGET + confidence_s,
+                              self._conf[1] * _SPEC_FORGET + draft_s + target_s]
             self._draft_time.add(g, draft_s)
             if self._fixed is not None:      # priced in target steps, as start_round does
                 c, slope = self._fixed

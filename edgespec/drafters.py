@@ -15,6 +15,7 @@ confidence, biases the output although the target was never consulted (a mutant 
 tests/test_exactness.py)."""
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -28,7 +29,9 @@ from .config import SamplingConfig
 from .errors import NonFiniteLogitsError
 from .sampling import argmax_token, sample_row
 
-# keep_going(i, confidence) -> bool: after drafting token i (1-based), draft another one?
+# keep_going(i, confidence) -> bool: after drafting token i (1-based), draft another one? A
+# keep_going whose ``needs_confidence`` attribute is False is given NaN: the drafter does not compute
+# the confidence (at greedy a softmax over the vocabulary, ~10 us a draft on a CPU; see AdaptiveGamma).
 KeepGoing = Callable[[int, float], bool]
 
 
@@ -44,6 +47,9 @@ class ModelDrafter:
         self.vocab_size = backend.vocab_size
         self._base = 0
         self.catch_up_s = 0.0   # time spent feeding tokens committed by plain steps (not drafting)
+        # time spent computing greedy confidences, a part of drafting (a lookahead worker's, which
+        # drafts while the target verifies, counts too: the adaptive policy then overrates their cost)
+        self.confidence_s = 0.0
 
     def start(self, prompt: np.ndarray) -> None:
         # ids the draft has no row for get a stand-in, as in propose (the output stays exact)
@@ -84,14 +90,15 @@ class ModelDrafter:
         dv = min(vocab, b.vocab_size)
         ids = np.empty(gamma, dtype=np.int64)                                  # [gamma]
         q = np.empty((gamma, vocab))                                           # [gamma, V]
-        conf = np.zeros(gamma)                                                 # [gamma] q_i(x_i)
+        conf = np.zeros(gamma)                                                 # [gamma] q_i(x_i), NaN: not computed
+        want_conf = keep_going is not None and getattr(keep_going, "needs_confidence", True)
         g = 0
         zero = sampling.greedy or dv < vocab  # rows _pick does not fully write: zeroed as drafted
         while g < gamma:                      # (an adaptive round may stop long before gamma)
             logits = b.extend(feed)[-1:, :dv]                                  # [1, dv]
             if zero:
                 q[g] = 0.0
-            conf[g] = self._pick(g, logits[0], ids, q[g], sampling, uniform, keep_going is not None)
+            conf[g] = self._pick(g, logits[0], ids, q[g], sampling, uniform, want_conf)
             feed = ids[g:g + 1]
             g += 1
             if int(ids[g - 1]) in self.end_ids:
@@ -105,13 +112,19 @@ class ModelDrafter:
     def _pick(self, g: int, logits: np.ndarray, ids: np.ndarray, q_row: np.ndarray, sampling: SamplingConfig,
               uniform: Callable[[], float], want_conf: bool) -> float:
         """Draft token g from the draft's logits [dv]: write it to ids[g] and the distribution it was
-        drawn from to q_row [V] (zeroed beforehand at greedy); return its confidence if ``want_conf``."""
-        if sampling.greedy:  # q one-hot on the argmax, written into the zeroed row
-            ids[g] = argmax_token(logits, "draft model")
-            q_row[ids[g]] = 1.0
-        else:
+        drawn from to q_row [V] (zeroed beforehand at greedy); return its confidence if ``want_conf``
+        (else NaN)."""
+        if not sampling.greedy:
             ids[g] = sample_row(logits, sampling, uniform(), q_row[:logits.shape[0]], "draft model")
-        return _confidence(logits, q_row, int(ids[g]), sampling.greedy) if want_conf else 0.0
+            return float(q_row[ids[g]]) if want_conf else math.nan
+        ids[g] = argmax_token(logits, "draft model")  # q one-hot on the argmax, written into the zeroed row
+        q_row[ids[g]] = 1.0
+        if not want_conf:
+            return math.nan
+        t0 = time.perf_counter()
+        conf = _confidence(logits, q_row, int(ids[g]), True)
+        self.confidence_s += time.perf_counter() - t0
+        return conf
 
     def rollback(self, kept: int) -> None:
         """Keep only the first ``kept`` generated tokens (the draft may hold fewer already)."""

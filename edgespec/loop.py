@@ -163,14 +163,14 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     """
     sampling, t0 = config.sampling, time.perf_counter()
     caught = getattr(drafter, "catch_up_s", 0.0)  # a draft model reading tokens of plain steps first
+    conf_s = getattr(drafter, "confidence_s", 0.0)
     # 1. draft: x_1..x_g ~ q autoregressively (g <= gamma; the policy may stop early).
-    if policy is not None:
-        policy.start_round()
-    x, q, conf = drafter.propose(generated, gamma, sampling, rng, vocab,
-                                 policy.keep_going if policy is not None else None)  # [g], [g, V], [g]
+    keep_going = policy.start_round() if policy is not None else None
+    x, q, conf = drafter.propose(generated, gamma, sampling, rng, vocab, keep_going)  # [g], [g, V], [g]
     g = x.shape[0]
     t1 = time.perf_counter()
     caught = getattr(drafter, "catch_up_s", 0.0) - caught
+    conf_s = getattr(drafter, "confidence_s", 0.0) - conf_s
     t0 += caught  # not drafting: a one-off cost of the plain steps before (stats.catch_up_s)
     # 2. verify: one target call over [pending, x_1..x_g] gives p_1..p_{g+1}.
     logits = target.extend(np.concatenate(([generated[-1]], x)))[:, :vocab]     # [g+1, V]
@@ -208,7 +208,7 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     stats.target_s += t2 - t1
     stats.sample_s += t3 - t2 - waited
     if policy is not None:  # the verify side of a round: the target call and the acceptance test
-        policy.update(conf, n, t1 - t0, t3 - t1, verdict.keep)
+        policy.update(conf, n, t1 - t0, t3 - t1, verdict.keep, confidence_s=conf_s)
     tokens = [int(t) for t in x[:n]] + [verdict.token]
     if g == 0:  # the drafter had nothing to propose: this was a plain target step
         # (its lookup time is kept apart: charged to draft_s it raised c, with no draft step

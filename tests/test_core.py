@@ -1267,3 +1267,100 @@ def test_fixed_costs_price_drafted_rounds_like_start_round():
     for _ in range(20):
         pol.update(np.full(1, 0.9), 1, 0.0, 0.0, keep=np.ones(1))
     assert pol.draft_next() is False
+
+
+def test_a_drafter_skips_the_confidence_a_keep_going_does_not_need():
+    """A keep_going whose needs_confidence is False gets NaN and the draft model computes no softmax
+    (its confidence_s does not move); the drafts are the same."""
+    from edgespec.drafters import ModelDrafter
+
+    class Asked:
+        def __init__(self, needs: bool):
+            self.seen = []
+            self.needs_confidence = needs
+
+        def __call__(self, i: int, confidence: float) -> bool:
+            self.seen.append(confidence)
+            return True
+
+    out = {}
+    for needs in (True, False):
+        d = ModelDrafter(ToyBackend(ToyLM(16, 2, seed=3)))
+        d.start(np.array([1, 2, 3]))
+        ask = Asked(needs)
+        ids, q, conf = d.propose([4], 4, GREEDY, np.random.default_rng(0), 16, ask)
+        out[needs] = ids.tolist()
+        if needs:
+            assert np.all((conf > 0) & (conf <= 1)) and d.confidence_s > 0 and ask.seen == conf[:3].tolist()
+        else:
+            assert np.isnan(conf).all() and d.confidence_s == 0.0 and all(math.isnan(c) for c in ask.seen)
+    assert out[True] == out[False]
+
+
+def test_policy_stops_asking_for_a_confidence_that_costs_more_than_it_is_worth():
+    """Where computing the draft's confidence takes more than _CONF_WORTH of a round's time, rounds
+    go without it (one in _CONF_SAMPLE still computes it); where it is cheap, or with fixed costs
+    (a seeded run: measured times must not steer it), every round computes it."""
+    from edgespec import adaptive
+    from edgespec.adaptive import AdaptiveGamma
+
+    def asked(share: float, fixed=None) -> list[bool]:
+        pol, out = AdaptiveGamma(8, fixed_costs=fixed), []
+        for _ in range(80):
+            keep_going = pol.start_round()
+            wants = getattr(keep_going, "needs_confidence", True)
+            out.append(wants)
+            pol.update(np.full(4, 0.9) if wants else np.full(4, np.nan), 3, 0.0004, 0.0006,
+                       confidence_s=share * 0.001 if wants else 0.0)
+        return out[20:]
+
+    dear = asked(2 * adaptive._CONF_WORTH)
+    assert sum(dear) == len(dear) // adaptive._CONF_SAMPLE, dear
+    assert all(asked(adaptive._CONF_WORTH / 2))
+    assert all(asked(2 * adaptive._CONF_WORTH, fixed=(0.05, 0.1)))
+
+
+def test_policy_learns_drafts_of_unknown_confidence_into_the_mean_keep_rate_only():
+    from edgespec.adaptive import AdaptiveGamma
+
+    pol = AdaptiveGamma(8, fixed_costs=(0.05, 0.1))
+    for _ in range(200):
+        pol.update(np.full(4, 0.95), 4, 0.0, 0.0)         # bin 9: always kept
+    bins = [k / s for k, s in zip(pol._kept, pol._seen)]
+    for _ in range(600):
+        pol.update(np.full(2, np.nan), 0, 0.0, 0.0)       # unknown confidence: rejected
+    assert [k / s for k, s in zip(pol._kept, pol._seen)] == pytest.approx(bins)  # (decay cancels in the ratio)
+    assert pol._all[0] / pol._all[1] < 0.3
+    pol.start_round()
+    assert pol._keep_prob(0.95) > 0.9                                    # its bin's keep rate
+    assert pol._keep_prob(float("nan")) == pytest.approx(pol._all[0] / pol._all[1])  # the mean keep rate
+
+
+def test_the_loop_tells_the_policy_what_the_confidences_cost(monkeypatch):
+    """The loop passes the time the drafter spent on this round's confidences to the policy (a
+    slowed softmax: at least its sleeps); the greedy output stays plain decoding's."""
+    import time as _time
+
+    import edgespec.drafters
+    from edgespec.adaptive import AdaptiveGamma
+
+    slow = edgespec.drafters._confidence
+
+    def dear(*args):
+        _time.sleep(0.0005)
+        return slow(*args)
+
+    class Told(AdaptiveGamma):
+        def update(self, confidences, *args, confidence_s=0.0, **kwargs):
+            rounds.append((int(np.sum(~np.isnan(confidences))), confidence_s))
+            super().update(confidences, *args, confidence_s=confidence_s, **kwargs)
+
+    monkeypatch.setattr(edgespec.drafters, "_confidence", dear)
+    target, draft = toy_pair(vocab_size=40, order=2, noise=0.3, seed=1)
+    rounds, prompt = [], [1, 2, 3]
+    plain = generate(target, prompt, GenerationConfig(max_new_tokens=60, sampling=GREEDY), np.random.default_rng(0))
+    res = generate(target, prompt, GenerationConfig(max_new_tokens=60, gamma=None, sampling=GREEDY),
+                   np.random.default_rng(0), draft=draft, policy=Told(8))
+    assert res.tokens == plain.tokens
+    assert rounds and sum(n for n, _ in rounds) > 0
+    assert all(0.0005 * n <= s < 0.0005 * n + 0.05 for n, s in rounds), rounds

@@ -1025,6 +1025,12 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
     pol = pab.adapt(Old)(8)
     pol.update(np.full(2, 0.5), 1, 0.001, 0.002, np.array([1.0, 0.5]))
     assert pol.seen == 1 and pab.adapt(AdaptiveGamma) is AdaptiveGamma
+
+    class Older(Old):  # as before confidence_s: start_round() returned nothing
+        def start_round(self):
+            super().start_round()
+
+    assert pab.adapt(Older)(8).start_round() is not None  # the loop is given its keep_going
     bundle = str(tiny_bundle("llama"))
     rows = pab.run(bundle, "HEAD", 1.0, 1, 8)
     assert len(rows) == 1 and all(rows[0][side]["tokens_per_s"] > 0 for side in ("plain", "this", "other"))
