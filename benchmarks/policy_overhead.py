@@ -76,14 +76,14 @@ def working(gamma: int) -> AdaptiveGamma:
     return Working(MAX_GAMMA)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundle", type=Path)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--gamma", type=at_least(1), default=5, help=f"the static draft length (at most {MAX_GAMMA})")
     ap.add_argument("--repeats", type=at_least(1), default=8)
     ap.add_argument("--max-new-tokens", type=at_least(1), default=96)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.gamma > MAX_GAMMA or args.temperature < 0:
         ap.error(f"--gamma must be at most {MAX_GAMMA}, --temperature >= 0")
     eng = edgespec.load(args.bundle, threads=1, draft_threads=1, spinning=False)  # errors: run_script prints them

@@ -1363,4 +1363,5 @@ def test_the_loop_tells_the_policy_what_the_confidences_cost(monkeypatch):
                    np.random.default_rng(0), draft=draft, policy=Told(8))
     assert res.tokens == plain.tokens
     assert rounds and sum(n for n, _ in rounds) > 0
+    assert any(n == 0 for n, _ in rounds[3:]), rounds   # rounds without it, once its cost was seen
     assert all(0.0005 * n <= s < 0.0005 * n + 0.05 for n, s in rounds), rounds

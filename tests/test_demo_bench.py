@@ -1222,3 +1222,17 @@ def test_bench_seed_reaches_the_runs(monkeypatch):
         _toy_run(seed)
         runs.append(list(seen))
     assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_policy_overhead_takes_the_policy_apart_against_static_gamma(tiny_bundle, capsys):
+    """benchmarks/policy_overhead.py runs static gamma, the confidence alone, the policy's work and
+    the policy side by side, each row against static gamma; bad options are refused."""
+    po = _script("policy_overhead")
+    bundle = str(tiny_bundle("llama"))
+    assert po.main([bundle, "--temperature", "0", "--gamma", "3", "--repeats", "1", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split(":")[0].strip(): line for line in out.splitlines()[1:]}
+    assert list(rows) == ["static", "confidence", "policy work", "adaptive"], out
+    assert "/ static 1.000" in rows["static"] and "mean gamma" in rows["adaptive"]
+    with pytest.raises(SystemExit):
+        po.main([bundle, "--gamma", "9"])
