@@ -31,6 +31,15 @@ import numpy as np
 _BINS = 10
 _FORGET = 0.995   # per-round decay of the acceptance counts: follows drifting text
 _FORGET_TIME = 0.98  # per-round decay of the time fits (draft and target)
+# A call that stalls (the host ran something else: a time slice is milliseconds, a quick-pair verify
+# call 0.7 ms) enters the time fits as at most _CLIP times what they predicted, once they have
+# _CLIP_AFTER measurements. Taken whole, a stall made the widths it landed in look dear for the ~50
+# rounds the fits remember, and the policy drafted shorter than its best length: with stalls injected
+# (4 ms, at 20 per second of model time) adaptive gamma ran at 0.94x of gamma 5 at T=1 on the quick
+# pair, 0.98x clipped. A host that gets slower for good still moves the fits (by up to _CLIP times a
+# round), and what the policy compares drafting with plain steps on is not clipped.
+_CLIP = 2.0
+_CLIP_AFTER = 5.0
 # The first calls of a new session are slow (allocation, cold caches: on the quick pair a first
 # 9-token verify took 2.8 ms, a warm one ~1.5). Timed, such a round makes extra tokens look dear,
 # the policy then drafts 1 token and never measures a longer round again. So the first rounds
@@ -92,6 +101,14 @@ class _LinearTime:
         self._proportional = proportional
 
     def add(self, k: int, t: float) -> None:
+        if self._s[0] >= _CLIP_AFTER:   # a stall (see _CLIP) counts as _CLIP times the prediction at most
+            t = min(t, _CLIP * self.predicted(k))
+        self._record(k, t)
+
+    def predicted(self, k: int) -> float:
+        return self(k)
+
+    def _record(self, k: int, t: float) -> None:
         f = _FORGET_TIME
         n, sk, skk, st, skt = self._s
         self._s = (n * f + 1.0, sk * f + k, skk * f + k * k, st * f + t, skt * f + k * t)
@@ -128,8 +145,13 @@ class _WidthTime(_LinearTime):
         self._n = [0.0] * (max_width + 1)   # [widths] decayed counts
         self._t = [0.0] * (max_width + 1)   # [widths] decayed sums of seconds
 
-    def add(self, k: int, t: float) -> None:
-        super().add(k, t)
+    def predicted(self, k: int) -> float:
+        if k < len(self._n) and self._n[k] >= self._MIN_SEEN:
+            return self._t[k] / self._n[k]
+        return self(k)
+
+    def _record(self, k: int, t: float) -> None:
+        super()._record(k, t)
         f = _FORGET_TIME
         self._n = [x * f for x in self._n]
         self._t = [x * f for x in self._t]

@@ -1365,3 +1365,24 @@ def test_the_loop_tells_the_policy_what_the_confidences_cost(monkeypatch):
     assert rounds and sum(n for n, _ in rounds) > 0
     assert any(n == 0 for n, _ in rounds[3:]), rounds   # rounds without it, once its cost was seen
     assert all(0.0005 * n <= s < 0.0005 * n + 0.05 for n, s in rounds), rounds
+
+
+def test_adaptive_time_fits_clip_a_stall_but_follow_a_slower_host():
+    """A call the host stalled (a time slice elsewhere) counts as at most _CLIP times the fit's
+    prediction, so one stall does not make its width look dear for the rounds the fit remembers; a
+    host that stays slower still moves the fit there."""
+    from edgespec.adaptive import _LinearTime, _WidthTime
+
+    t, line = _WidthTime(10), _LinearTime(proportional=True)
+    for _ in range(30):
+        for k in (4, 5, 6):
+            t.add(k, 0.001 + 0.0001 * k)
+            line.add(k, 0.0001 * k)
+    t.add(5, 0.05)                                            # a 50 ms stall in a 1.5 ms call
+    line.add(5, 0.05)
+    assert t.table()[5] < 0.0017 and line(5) < 0.00055           # (4.8 ms and 1.7 ms taken whole)
+    for _ in range(300):                                      # three times slower for good
+        for k in (4, 5, 6):
+            t.add(k, 3 * (0.001 + 0.0001 * k))
+            line.add(k, 3 * 0.0001 * k)
+    assert t.table()[5] == pytest.approx(0.0045, rel=0.01) and line(5) == pytest.approx(0.0015, rel=0.01)
