@@ -71,7 +71,27 @@ def adapt(cls):
     return Adapted
 
 
-def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tokens: int, max_gamma: int = 8):
+STALL_S = 0.004  # an injected stall: about a time slice of another process on a busy host
+
+
+def add_stalls(backend, per_second: float, rng: np.random.Generator) -> None:
+    """Make ``backend``'s extend calls stall now and then, as a busy host does: after a call of d
+    seconds, a STALL_S sleep with probability per_second * d (stalls in proportion to the time the
+    models run, as another process's time slices would land)."""
+    call = backend.extend
+
+    def extend(ids):
+        t0 = time.perf_counter()
+        out = call(ids)
+        if rng.random() < per_second * (time.perf_counter() - t0):
+            time.sleep(STALL_S)
+        return out
+
+    backend.extend = extend
+
+
+def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tokens: int, max_gamma: int = 8,
+        stalls: float = 0.0):
     """Per repeat: tokens/s of plain decoding and of both policies, and each policy's plain-step share."""
     import edgespec
     from edgespec.adaptive import AdaptiveGamma
@@ -82,6 +102,10 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
     load_bundle(Path(bundle))  # a missing bundle is reported first, before the note about the revision
     other = policy_class(against)  # then a bad revision, before the sessions' seconds of loading
     eng = edgespec.load(bundle, threads=1, draft_threads=1)
+    if stalls > 0:  # (the same generator for both models: one host)
+        rng = np.random.default_rng(123)
+        add_stalls(eng.target, stalls, rng)
+        add_stalls(eng.draft, stalls, rng)
     if not eng.has_draft:
         raise InvalidArgumentError(f"{bundle} has no draft model; export the bundle with --draft")
     prompts = [eng.encode(p) for p in CODE_PROMPTS]
@@ -113,13 +137,17 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--stalls", type=float, default=0.0,
+                    help=f"inject {STALL_S * 1e3:g} ms stalls into model calls, this many per second of model time "
+                         "(a busy host; default 0: none)")
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.max_new_tokens < 1 or args.temperature < 0:
-        ap.error("--repeats and --max-new-tokens must be >= 1, --temperature >= 0")
-    rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens)
+    if args.repeats < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.stalls < 0:
+        ap.error("--repeats and --max-new-tokens must be >= 1, --temperature and --stalls >= 0")
+    rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens, stalls=args.stalls)
     ratio = np.array([r["this"]["tokens_per_s"] / r["other"]["tokens_per_s"] for r in rows])
     print(f"T={args.temperature:g}, {len(rows)} repeats, the {len(CODE_PROMPTS)} built-in code prompts x "
-          f"{args.max_new_tokens} tokens, 1 thread per model")
+          f"{args.max_new_tokens} tokens, 1 thread per model"
+          + (f", {STALL_S * 1e3:g} ms stalls injected at {args.stalls:g} per second of model time" if args.stalls else ""))
     for side in ("plain", "this", "other"):
         rates = " ".join(f"{r[side]['tokens_per_s']:.0f}" for r in rows)
         share = np.median([r[side]["plain_step_share"] for r in rows])

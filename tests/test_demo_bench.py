@@ -1037,6 +1037,8 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
     assert rows[0]["plain"]["plain_step_share"] == pytest.approx(7 / 8)  # every token but the prefill's
     assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--temperature", "0"]) == 0
     assert "this / HEAD: median" in capsys.readouterr().out
+    assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--stalls", "1e6"]) == 0  # a stall after every call
+    assert "4 ms stalls injected at 1e+06 per second" in capsys.readouterr().out
     with pytest.raises(InvalidArgumentError, match="cannot read edgespec/adaptive.py"):
         pab.policy_class("no-such-revision")
     if subprocess.run(["git", "cat-file", "-e", "c3986e0"], cwd=pab.ROOT, capture_output=True).returncode == 0:
