@@ -34,11 +34,10 @@ _FORGET_TIME = 0.98  # per-round decay of the time fits (draft and target)
 # A call that stalls (the host ran something else: a time slice is milliseconds, a quick-pair verify
 # call 0.7 ms) enters the time fits as at most _CLIP times what they predicted, once they have
 # _CLIP_AFTER measurements. Taken whole, a stall made the widths it landed in look dear for the ~50
-# rounds the fits remember, and the policy drafted shorter than its best length: with stalls injected
-# (4 ms, at 20 per second of model time) adaptive gamma ran at 0.94x of gamma 5 at T=1 on the quick
-# pair, 0.98x clipped. A host that gets slower for good still moves the fits (by up to _CLIP times a
-# round), and what the policy compares drafting with plain steps on is not clipped. Side by side
-# with stalls injected (benchmarks/policy_ab.py --stalls 20, against the unclipped policy): 1.040 at
+# rounds the fits remember, and the policy drafted shorter than its best length. A host that gets
+# slower for good still moves the fits (by up to _CLIP times a round), and what the policy compares
+# drafting with plain steps on is not clipped. On the quick pair with 4 ms stalls injected at 20 per
+# second of model time (benchmarks/policy_ab.py --stalls 20, against the unclipped policy): 1.040 at
 # T=1, 1.020 at T=0 (IQRs 0.97-1.06); on a quiet host 1.004 and 0.998.
 _CLIP = 2.0
 _CLIP_AFTER = 5.0
