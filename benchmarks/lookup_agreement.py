@@ -37,7 +37,7 @@ def trace(engine, prompt: str, max_new_tokens: int, max_ngram: int, min_ngram: i
         top = int(lg.argmax())
         toks = index.sync(seq[len(ids):j])
         nxt, n = index.follower(toks[-max_ngram:])
-        rows.append((top, _confidence(lg, None, top, True), toks[nxt] if nxt is not None else None, n, seq[j]))
+        rows.append((top, _confidence(lg, top), toks[nxt] if nxt is not None else None, n, seq[j]))
         logits = engine.draft.extend(np.array([seq[j]]))[-1]
     return rows
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import subprocess
 import sys
 import time
@@ -141,8 +142,8 @@ def main(argv=None) -> int:
                     help=f"inject {STALL_S * 1e3:g} ms stalls into model calls, this many per second of model time "
                          "(a busy host; default 0: none)")
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.max_new_tokens < 1 or args.temperature < 0 or args.stalls < 0:
-        ap.error("--repeats and --max-new-tokens must be >= 1, --temperature and --stalls >= 0")
+    if args.repeats < 1 or args.max_new_tokens < 1 or not args.temperature >= 0 or not 0 <= args.stalls < math.inf:
+        ap.error("--repeats and --max-new-tokens must be >= 1, --temperature and --stalls >= 0 (--stalls finite)")
     rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens, stalls=args.stalls)
     ratio = np.array([r["this"]["tokens_per_s"] / r["other"]["tokens_per_s"] for r in rows])
     print(f"T={args.temperature:g}, {len(rows)} repeats, the {len(CODE_PROMPTS)} built-in code prompts x "

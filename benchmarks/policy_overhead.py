@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=at_least(1), default=8)
     ap.add_argument("--max-new-tokens", type=at_least(1), default=96)
     args = ap.parse_args(argv)
-    if args.gamma > MAX_GAMMA or args.temperature < 0:
+    if args.gamma > MAX_GAMMA or not args.temperature >= 0:
         ap.error(f"--gamma must be at most {MAX_GAMMA}, --temperature >= 0")
     eng = edgespec.load(args.bundle, threads=1, draft_threads=1, spinning=False)  # errors: run_script prints them
     if not eng.has_draft:

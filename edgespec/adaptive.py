@@ -279,6 +279,7 @@ class AdaptiveGamma:
         return self._kept[b] / self._seen[b]
 
     # ---------------------------------------------------------------- per round
+    # (-> drafters.KeepGoing, not imported: benchmarks/policy_ab.py runs this file on its own)
     def start_round(self) -> Callable[[int, float], bool]:
         """Start a drafted round; returns what the drafter asks after each draft (``keep_going``,
         or the same rule without the draft's confidence where computing it costs more than it

@@ -122,7 +122,7 @@ class ModelDrafter:
         if not want_conf:
             return math.nan
         t0 = time.perf_counter()
-        conf = _confidence(logits, q_row, int(ids[g]), True)
+        conf = _confidence(logits, int(ids[g]))
         self.confidence_s += time.perf_counter() - t0
         return conf
 
@@ -131,10 +131,10 @@ class ModelDrafter:
         self.backend.rewind_to(min(self.backend.length, self._base + kept))
 
 
-def _confidence(logits: np.ndarray, q_row: np.ndarray, token: int, greedy: bool) -> float:
-    """The probability the draft gave its token; for greedy (q one-hot) the draft's softmax
-    probability of its argmax, still a sureness signal."""
-    return float(q_row[token]) if not greedy else float(1.0 / np.exp(logits - logits[token]).sum())
+def _confidence(logits: np.ndarray, token: int) -> float:
+    """The greedy draft's confidence in its argmax ``token``: its softmax probability (q is one-hot
+    there, so q(x) says nothing; with sampling the confidence is q(x) itself, read from q)."""
+    return float(1.0 / np.exp(logits - logits[token]).sum())
 
 
 class LookaheadDrafter(ModelDrafter):
@@ -433,7 +433,7 @@ class HybridDrafter(ModelDrafter):
         on the draw (it would then not be the one-hot or the q the position reports)."""
         if not greedy:
             return float(q_row.max())
-        return conf if conf is not None else _confidence(logits, q_row, drawn, True)
+        return conf if conf is not None else _confidence(logits, drawn)
 
     def learn(self, examined: int, target_rows: np.ndarray, greedy: bool) -> None:
         """After the verify call: ``target_rows`` are the target's argmaxes [g + 1] at greedy, else
