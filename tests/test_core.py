@@ -1338,16 +1338,17 @@ def test_policy_learns_drafts_of_unknown_confidence_into_the_mean_keep_rate_only
 
 def test_the_loop_tells_the_policy_what_the_confidences_cost(monkeypatch):
     """The loop passes the time the drafter spent on this round's confidences to the policy (a
-    slowed softmax: at least its sleeps); the greedy output stays plain decoding's."""
-    import time as _time
+    softmax that costs 0.5 ms on the drafter's clock, a fake one: no sleep, no load, no flake); the
+    greedy output stays plain decoding's."""
+    import types
 
     import edgespec.drafters
     from edgespec.adaptive import AdaptiveGamma
 
-    slow = edgespec.drafters._confidence
+    slow, clock = edgespec.drafters._confidence, [0.0]
 
     def dear(*args):
-        _time.sleep(0.0005)
+        clock[0] += 0.0005
         return slow(*args)
 
     class Told(AdaptiveGamma):
@@ -1356,6 +1357,7 @@ def test_the_loop_tells_the_policy_what_the_confidences_cost(monkeypatch):
             super().update(confidences, *args, confidence_s=confidence_s, **kwargs)
 
     monkeypatch.setattr(edgespec.drafters, "_confidence", dear)
+    monkeypatch.setattr(edgespec.drafters, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     target, draft = toy_pair(vocab_size=40, order=2, noise=0.3, seed=1)
     rounds, prompt = [], [1, 2, 3]
     plain = generate(target, prompt, GenerationConfig(max_new_tokens=60, sampling=GREEDY), np.random.default_rng(0))
@@ -1364,7 +1366,8 @@ def test_the_loop_tells_the_policy_what_the_confidences_cost(monkeypatch):
     assert res.tokens == plain.tokens
     assert rounds and sum(n for n, _ in rounds) > 0
     assert any(n == 0 for n, _ in rounds[3:]), rounds   # rounds without it, once its cost was seen
-    assert all(0.0005 * n <= s < 0.0005 * n + 0.05 for n, s in rounds), rounds
+    # this round's confidences, exactly (not a running total, not another round's)
+    assert all(s == pytest.approx(0.0005 * n, abs=1e-9) for n, s in rounds), rounds
 
 
 def test_adaptive_time_fits_clip_a_stall_but_follow_a_slower_host():
