@@ -45,14 +45,19 @@ def speculative_sample(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
     against p_{g+1} instead of a direct draw from it.
     """
     g = draft_ids.shape[0]
-    rows = np.arange(g)                                           # [g]
-    px = p[rows, draft_ids]                                       # [g] p_i(x_i)
-    qx = q[rows, draft_ids]                                       # [g] q_i(x_i)
-    r = rng.random(g)                                             # [g] r_i ~ U[0, 1)
-    # r < p / (l q) without dividing: q(x) > 0 since x was drawn from q; p(x) = 0 never keeps.
-    keep = r * (lenience * qx) < px                               # [g]
-    keep_p = np.minimum(1.0, px / np.maximum(lenience * qx, 1e-300))  # [g] P(keep x_i | x_<i kept)
-    n = g if keep.all() else int(np.argmin(keep))
+    # g <= gamma scalars per round: Python floats, not a dozen numpy calls on [g] arrays (each costs
+    # microseconds right after the target call has evicted numpy from the caches)
+    xs = draft_ids.tolist()                                       # [g]
+    r = rng.random(g).tolist()                                    # [g] r_i ~ U[0, 1)
+    keep_p = [0.0] * g                                            # [g] P(keep x_i | x_<i kept)
+    n = g
+    for i, x in enumerate(xs):
+        px, lqx = float(p[i, x]), lenience * float(q[i, x])       # p_i(x_i), l q_i(x_i)
+        keep_p[i] = min(1.0, px / max(lqx, 1e-300))
+        # r < p / (l q) without dividing: q(x) > 0 since x was drawn from q; p(x) = 0 never keeps.
+        if n == g and not r[i] * lqx < px:
+            n = i
+    keep_p = np.array(keep_p)                                     # [g]
     if n < g:
         return Verdict(n, _recover(p[n], q[n], lenience, rng), RECOVERED, keep_p)
     extra = next_draft() if next_draft is not None else None
@@ -72,11 +77,15 @@ def speculative_sample(draft_ids: np.ndarray, q: np.ndarray, p: np.ndarray,
 
 def _recover(p: np.ndarray, q: np.ndarray, lenience: float, rng: np.random.Generator) -> int:
     """Draw from norm(max(0, p - l q)) (p, q: [V]), the correction after a rejection."""
-    residual = np.maximum(p - lenience * q, 0.0)                  # [V] max(0, p - l q)
-    if not residual.sum() > 0.0:
+    residual = np.subtract(p, q if lenience == 1.0 else lenience * q)  # [V] p - l q
+    np.maximum(residual, 0.0, out=residual)                       # [V] max(0, p - l q)
+    cdf = np.cumsum(residual, out=residual)                       # [V] its CDF, in place
+    u = rng.random()
+    if not cdf[-1] > 0.0:
         # Only reachable through rounding when p == q (a rejection then has probability 0).
-        residual = p
-    return sample_index(residual, rng.random())
+        return sample_index(p, u)
+    # side='right': the first id whose CDF exceeds u * total has positive residual mass
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), cdf.shape[0] - 1))
 
 
 def greedy_verdict(draft_ids: np.ndarray, target_ids: np.ndarray) -> Verdict:

@@ -27,7 +27,7 @@ def process_logits(logits: np.ndarray, cfg: SamplingConfig, who: str = "model") 
     """
     k, V = logits.shape
     m = logits.max(axis=-1, keepdims=True)                        # [k, 1]
-    if not np.isfinite(m).all():                                  # NaN, +inf, or a row all -inf
+    if not math.isfinite(m.sum()):                                # NaN, +inf, or a row all -inf
         _raise_non_finite(logits, who)
     if cfg.greedy:
         # temperature -> 0: a one-hot distribution on the argmax. With tied maxima the limit would
@@ -104,9 +104,15 @@ def sample_row(logits: np.ndarray, cfg: SamplingConfig, u: float, out: np.ndarra
     np.subtract(logits, logits[i], out=out, dtype=np.float64)     # [V] float64, max 0 (fp16 logits: as process_logits)
     if cfg.temperature != 1.0:
         _divide(out, cfg.temperature)
-    np.exp(out, out=out)
-    out /= out.sum()   # before the CDF: a mass that underflows to 0 here must not be drawn (q(x) > 0)
-    return sample_index(out, u)
+    np.exp(out, out=out)                                          # [V] unnormalised, max 1
+    cdf = np.cumsum(out)                                          # [V]; cdf[-1] in [1, V]
+    i = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), out.shape[0] - 1))
+    out *= 1.0 / cdf[-1]  # normalised after the draw: one pass fewer (no separate sum), no divide
+    if out[i] == 0.0:
+        # The drawn mass was a subnormal that underflowed in the scaling (the first nonzero mass,
+        # u = 0): q(x) = 0 must not be drawn, so draw on the normalised row, where it cannot be.
+        return sample_index(out, u)
+    return i
 
 
 def sample_index(probs: np.ndarray, u: float) -> int:

@@ -104,6 +104,21 @@ def test_residual_when_draft_cannot_produce_target_token():
     assert abs(np.mean(out) - 0.5) < 0.015
 
 
+def test_the_recovery_draw_leaves_p_and_q_alone_and_falls_back_to_p_where_they_are_equal():
+    """_recover builds the residual's CDF in place, in a fresh array: the rows it was given (views
+    of the round's p and q, read again for beta) are untouched; where p == q (a rejection only
+    rounding can cause) the residual has no mass and the draw is from p."""
+    from edgespec.rejection import _recover
+    rng = np.random.default_rng(0)
+    p, q = np.array([0.2, 0.0, 0.5, 0.3]), np.array([0.5, 0.2, 0.1, 0.2])            # [V]
+    p0, q0 = p.copy(), q.copy()
+    draws = [_recover(p, q, 1.0, rng) for _ in range(4000)]      # residual [0, 0, .4, .1] / .5
+    assert p.tolist() == p0.tolist() and q.tolist() == q0.tolist()
+    assert set(draws) == {2, 3} and abs(draws.count(2) / 4000 - 0.8) < 0.03
+    assert set(_recover(p, q, 0.2, rng) for _ in range(400)) == {0, 2, 3}   # l q = [.1, .04, .02, .04]
+    assert set(_recover(p, p, 1.0, rng) for _ in range(400)) == {0, 2, 3}   # from p itself
+
+
 def test_draft_token_with_zero_target_probability_is_never_kept():
     p = np.array([[0.0, 1.0], [0.5, 0.5]])
     q = np.array([[0.5, 0.5]])
