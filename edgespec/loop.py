@@ -189,8 +189,10 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     if learn is not None:
         learn(examined, a if sampling.greedy else p, sampling.greedy)
     # beta = sum_x min(p, q) per examined position; with p one-hot on a that is q(a).
-    beta = q[np.arange(examined), a[:examined]] if sampling.greedy else overlap(p[:examined], q[:examined])
-    beta_total = float(beta.sum())
+    if sampling.greedy:  # (examined <= gamma scalars: Python, not numpy calls; see argmax_rows)
+        beta_total = float(sum(q[i, t] for i, t in enumerate(a[:examined].tolist())))
+    else:
+        beta_total = float(overlap(p[:examined], q[:examined]).sum())
     stats.beta_sum += beta_total
     stats.beta_count += examined
     # The test keeps x with probability min(1, p(x) / (l q(x))): on average sum_x min(q, p / l) per

@@ -101,7 +101,7 @@ def greedy_verdict(draft_ids: np.ndarray, target_ids: np.ndarray) -> Verdict:
     g, n = len(xs), 0
     while n < g and xs[n] == ts[n]:
         n += 1
-    keep = np.equal(draft_ids, target_ids[:g]).astype(np.float64)  # [g] 1 where the draft is the target's argmax
+    keep = np.array([float(x == t) for x, t in zip(xs, ts)])     # [g] 1 where the draft is the target's argmax
     return Verdict(n, int(ts[n]), BONUS if n == g else RECOVERED, keep)
 
 
