@@ -11,7 +11,7 @@ import pytest
 
 from edgespec.cli import main
 from edgespec.config import SamplingConfig
-from edgespec.errors import InvalidArgumentError
+from edgespec.errors import BundleError, InvalidArgumentError
 
 pytestmark = pytest.mark.slow
 
@@ -1150,6 +1150,30 @@ def test_benchmark_scripts_bound_their_sizes(tmp_path, monkeypatch, capsys):
     done = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "run that script instead" in done.stderr
     assert subprocess.run([sys.executable, str(script)], capture_output=True).returncode == 2
+
+
+def test_revision_ab_runs_this_checkout_against_a_revision(tiny_bundle, tmp_path, capsys):
+    """benchmarks/revision_ab.py runs this checkout and a revision (in a temporary git worktree, each
+    side in its own process importing its own tree) side by side, removes the worktree, and refuses
+    a revision git cannot resolve and a missing bundle before making one."""
+    import subprocess
+
+    rab = _script("revision_ab")
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=rab.ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: revision_ab.py checks the other side out with git worktree")
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=rab.ROOT, capture_output=True, text=True).stdout
+    bundle = str(tiny_bundle("llama"))
+    rates = rab.run(bundle, "HEAD", 1.0, "2", 2, 4)
+    assert len(rates["this"]) == len(rates["other"]) == 2 and min(rates["this"] + rates["other"]) > 0
+    assert rab.main([bundle, "--repeats", "1", "--max-new-tokens", "4", "--temperature", "0", "--gamma", "auto"]) == 0
+    assert "this / HEAD: median" in capsys.readouterr().out
+    assert subprocess.run(["git", "worktree", "list"], cwd=rab.ROOT, capture_output=True, text=True).stdout == worktrees
+    with pytest.raises(InvalidArgumentError, match="cannot resolve 'no-such-revision'"):
+        rab.run(bundle, "no-such-revision", 1.0, "2", 1, 4)
+    with pytest.raises(BundleError):
+        rab.run(str(tmp_path / "missing"), "HEAD", 1.0, "2", 1, 4)
+    with pytest.raises(SystemExit):
+        rab.main([bundle, "--gamma", "0"])
 
 
 def test_policy_ab_reports_a_missing_bundle_first(tmp_path, capsys):
