@@ -31,13 +31,27 @@ ROOT = Path(__file__).resolve().parents[1]
 # One side of one repeat: argv = tree, bundle, temperature, gamma ("auto" or an int), repeat, tokens.
 # Prints {"tokens": ..., "seconds": ...} (the calls' own GenerationStats, prefill included).
 _SIDE = r"""
-import json, sys
+import importlib.util, json, os, sys
 tree, bundle, temperature, gamma, rep, tokens = sys.argv[1:7]
+# The package's folders as pyproject.toml maps them (edgespec.export is export/, edgespec.runtimes is
+# runtimes/), looked up in this tree before any installed copy: an editable install maps those
+# subpackages to its own checkout, which a path entry alone does not override.
+FOLDERS = {"edgespec": "edgespec", "edgespec.export": "export", "edgespec.runtimes": "runtimes"}
+class Tree:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        folder = os.path.join(tree, FOLDERS.get(name, ""))
+        if name not in FOLDERS or not os.path.isfile(os.path.join(folder, "__init__.py")):
+            return None
+        return importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
+                                                      submodule_search_locations=[folder])
+sys.meta_path.insert(0, Tree)
 sys.path.insert(0, tree)
-import edgespec
+import edgespec, edgespec.export, edgespec.runtimes
 from edgespec.prompts import CODE_PROMPTS
-if not edgespec.__file__.startswith(tree):
-    sys.exit(f"imported edgespec from {edgespec.__file__}, not from {tree}")
+for mod in (edgespec, edgespec.export, edgespec.runtimes):
+    if not mod.__file__.startswith(tree):
+        sys.exit(f"imported {mod.__name__} from {mod.__file__}, not from {tree}")
 T, G, rep, tokens = float(temperature), None if gamma == "auto" else int(gamma), int(rep), int(tokens)
 seeded = G is not None or T == 0
 eng = edgespec.load(bundle, threads=1, draft_threads=1)

@@ -1154,8 +1154,9 @@ def test_benchmark_scripts_bound_their_sizes(tmp_path, monkeypatch, capsys):
 
 def test_revision_ab_runs_this_checkout_against_a_revision(tiny_bundle, tmp_path, capsys):
     """benchmarks/revision_ab.py runs this checkout and a revision (in a temporary git worktree, each
-    side in its own process importing its own tree) side by side, removes the worktree, and refuses
-    a revision git cannot resolve and a missing bundle before making one."""
+    side in its own process importing its own tree, edgespec.runtimes and edgespec.export included,
+    which an editable install maps to its own checkout) side by side, removes the worktree, and
+    refuses a revision git cannot resolve and a missing bundle before making one."""
     import subprocess
 
     rab = _script("revision_ab")
