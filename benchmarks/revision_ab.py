@@ -24,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from edgespec.cli import at_least
 from edgespec.errors import InvalidArgumentError
+from edgespec.generate_cli import parse_gamma
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,14 +117,17 @@ def main(argv=None) -> int:
     ap.add_argument("--against", default="HEAD", help="git revision run as the other side (default HEAD)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--gamma", default="4", help="draft length, or 'auto' for adaptive gamma (default 4)")
-    ap.add_argument("--repeats", type=int, default=12)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=at_least(1), default=12)
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=96)
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.max_new_tokens < 1 or not 0 <= args.temperature < math.inf:
-        ap.error("--repeats and --max-new-tokens must be >= 1, --temperature finite and >= 0")
-    if args.gamma != "auto" and not (args.gamma.isdigit() and int(args.gamma) >= 1):
-        ap.error(f"--gamma must be a whole number >= 1 or 'auto'; got {args.gamma!r}")
-    rates = run(args.bundle, args.against, args.temperature, args.gamma, args.repeats, args.max_new_tokens)
+    if not 0 <= args.temperature < math.inf:
+        ap.error("--temperature must be finite and >= 0")
+    try:
+        gamma = parse_gamma(args.gamma)
+    except InvalidArgumentError as exc:
+        ap.error(str(exc))
+    rates = run(args.bundle, args.against, args.temperature, "auto" if gamma is None else str(gamma), args.repeats,
+                args.max_new_tokens)
     ratio = np.array(rates["this"]) / np.array(rates["other"])
     print(f"T={args.temperature:g}, gamma {args.gamma}, {args.repeats} repeats of the built-in code prompts x "
           f"{args.max_new_tokens} tokens, 1 thread per model, each side in a fresh process per repeat")

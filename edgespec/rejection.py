@@ -17,7 +17,7 @@ from typing import Callable
 
 import numpy as np
 
-from .sampling import sample_index
+from .sampling import draw_from_cdf, sample_index
 
 ACCEPTED, RECOVERED, BONUS, TARGET = "accepted", "recovered", "bonus", "target"
 
@@ -84,8 +84,7 @@ def _recover(p: np.ndarray, q: np.ndarray, lenience: float, rng: np.random.Gener
     if not cdf[-1] > 0.0:
         # Only reachable through rounding when p == q (a rejection then has probability 0).
         return sample_index(p, u)
-    # side='right': the first id whose CDF exceeds u * total has positive residual mass
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), cdf.shape[0] - 1))
+    return draw_from_cdf(cdf, u)
 
 
 def greedy_verdict(draft_ids: np.ndarray, target_ids: np.ndarray) -> Verdict:

@@ -109,7 +109,7 @@ def sample_row(logits: np.ndarray, cfg: SamplingConfig, u: float, out: np.ndarra
         _divide(out, cfg.temperature)
     np.exp(out, out=out)                                          # [V] unnormalised, max 1
     cdf = np.cumsum(out)                                          # [V]; cdf[-1] in [1, V]
-    i = int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), out.shape[0] - 1))
+    i = draw_from_cdf(cdf, u)
     out *= 1.0 / cdf[-1]  # normalised after the draw: one pass fewer (no separate sum), no divide
     if out[i] == 0.0:
         # The drawn mass was a subnormal that underflowed in the scaling (the first nonzero mass,
@@ -124,5 +124,10 @@ def sample_index(probs: np.ndarray, u: float) -> int:
     side='right' returns the first index whose CDF exceeds u * total, which always has positive
     mass, so a zero-probability id (or one outside the vocabulary) is never returned.
     """
-    cdf = np.cumsum(probs)                                        # [V]
-    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), probs.shape[0] - 1))
+    return draw_from_cdf(np.cumsum(probs), u)
+
+
+def draw_from_cdf(cdf: np.ndarray, u: float) -> int:
+    """sample_index's draw from the running sums of its masses, cdf [V] (cdf[-1] > 0): the first
+    index whose CDF exceeds u * cdf[-1] (side='right', see sample_index)."""
+    return int(min(np.searchsorted(cdf, u * cdf[-1], side="right"), cdf.shape[0] - 1))
