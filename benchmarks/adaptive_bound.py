@@ -151,6 +151,7 @@ class RegimeAdaptive(AdaptiveGamma):
         self._kept_r = np.full((2, adaptive._BINS), 1.0)           # [regime, bins] Beta(1, 1) priors
         self._seen_r = np.full((2, adaptive._BINS), 2.0)           # [regime, bins]
         self._regime = 1
+        self._regimes: collections.deque = collections.deque()      # regimes of the rounds not learned yet
 
     def _keep_prob(self, confidence: float) -> float:
         b = min(int(confidence * adaptive._BINS), adaptive._BINS - 1)
@@ -163,15 +164,23 @@ class RegimeAdaptive(AdaptiveGamma):
 
     def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float,
                keep: np.ndarray | None = None) -> None:
-        # Its own table counts the drawn outcome: the replay is greedy, where keep is that outcome.
+        self._regimes.append(self._regime)                          # the round's regime, for _learn
+        super().update(confidences, n_accepted, draft_s, target_s, keep)
+
+    def _learn(self, conf: list[float], keep: list[float], *timings) -> None:
+        # Its own table learns when the shipped one does (rounds in batches, adaptive._BATCH) and
+        # counts the drawn outcome: the replay is greedy, where keep is that outcome (1 or 0).
+        regime = self._regimes.popleft()
         self._kept_r *= adaptive._FORGET
         self._seen_r *= adaptive._FORGET
-        for j in range(min(n_accepted + 1, confidences.shape[0])):   # the drafts the target examined
-            b = min(int(confidences[j] * adaptive._BINS), adaptive._BINS - 1)
-            self._seen_r[self._regime, b] += 1.0
-            self._kept_r[self._regime, b] += float(j < n_accepted)
-            self._recent.append(float(j < n_accepted))
-        super().update(confidences, n_accepted, draft_s, target_s, keep)
+        for c, k in zip(conf, keep):                                # the drafts the target examined
+            b = min(int(c * adaptive._BINS), adaptive._BINS - 1)
+            self._seen_r[regime, b] += 1.0
+            self._kept_r[regime, b] += k
+            self._recent.append(k)
+            if not k:
+                break
+        super()._learn(conf, keep, *timings)
 
 
 # --------------------------------------------------------------------------- better predictors

@@ -9,6 +9,10 @@ two policies (the order alternating between repeats), one policy object per side
 taken repeat by repeat. The other revision's ``edgespec/adaptive.py`` is read with ``git show`` and
 run inside this checkout's loop (its ``update`` gets the loop's arguments it knows). The first
 repeat is a warm-up and is not reported.
+
+With ``--work G`` both policies do all their work but G drafts every round whatever they decide
+(benchmarks/policy_overhead.py's "policy work"): both sides then decode the same text (checked),
+at T > 0 too, and the ratio is what the policies' work costs, apart from their choices.
 """
 from __future__ import annotations
 
@@ -23,8 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from edgespec.errors import InvalidArgumentError
-from edgespec.prompts import CODE_PROMPTS
+sys.path.insert(0, str(Path(__file__).parent))
+
+from policy_overhead import working  # noqa: E402  (a sibling script: the policy with its choices overridden)
+
+from edgespec.cli import at_least  # noqa: E402
+from edgespec.errors import InvalidArgumentError  # noqa: E402
+from edgespec.prompts import CODE_PROMPTS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,8 +101,9 @@ def add_stalls(backend, per_second: float, rng: np.random.Generator) -> None:
 
 
 def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tokens: int, max_gamma: int = 8,
-        stalls: float = 0.0):
-    """Per repeat: tokens/s of plain decoding and of both policies, and each policy's plain-step share."""
+        stalls: float = 0.0, work: int = 0):
+    """Per repeat: tokens/s of plain decoding and of both policies, and each policy's plain-step share
+    (``work`` > 0: both policies' choices overridden, that many drafts every round)."""
     import edgespec
     from edgespec.adaptive import AdaptiveGamma
     from edgespec.bundle import load_bundle
@@ -110,7 +120,10 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
     if not eng.has_draft:
         raise InvalidArgumentError(f"{bundle} has no draft model; export the bundle with --draft")
     prompts = [eng.encode(p) for p in CODE_PROMPTS]
-    policies = {"this": AdaptiveGamma(max_gamma), "other": other(max_gamma)}
+    if work:
+        policies = {"this": working(work, AdaptiveGamma, max_gamma), "other": working(work, other, max_gamma)}
+    else:
+        policies = {"this": AdaptiveGamma(max_gamma), "other": other(max_gamma)}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=None, max_gamma=max_gamma,
                            sampling=SamplingConfig(temperature=temperature))
     rows = []
@@ -118,6 +131,7 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
         tally = {k: [0, 0.0, 0] for k in ("plain", "this", "other")}  # tokens, seconds, plain steps
         order = ("plain", "this", "other") if rep % 2 else ("plain", "other", "this")
         for i, ids in enumerate(prompts):
+            texts = {}
             for side in order:
                 t0 = time.perf_counter()
                 res = generate(eng.target, ids, cfg, np.random.default_rng(1000 * rep + i),
@@ -125,6 +139,10 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
                 tally[side][0] += res.stats.emitted
                 tally[side][1] += time.perf_counter() - t0
                 tally[side][2] += res.stats.plain_steps
+                texts[side] = res.tokens
+            if work and texts["this"] != texts["other"]:  # same seed, same draft lengths: same tokens
+                raise RuntimeError(f"--work {work}: the two sides decoded prompt {i} differently; a policy's choice "
+                                   "was not overridden (its keep_going or draft_next decided)")
         if rep:  # the first repeat warms up
             rows.append({k: {"tokens_per_s": n / s, "plain_step_share": p / n} for k, (n, s, p) in tally.items()})
         print(f"[policy_ab] repeat {rep}/{repeats}{' (warm-up)' if rep == 0 else ''}", file=sys.stderr)
@@ -141,14 +159,20 @@ def main(argv=None) -> int:
     ap.add_argument("--stalls", type=float, default=0.0,
                     help=f"inject {STALL_S * 1e3:g} ms stalls into model calls, this many per second of model time "
                          "(a busy host; default 0: none)")
+    ap.add_argument("--work", type=at_least(1), default=0, metavar="G",
+                    help="override both policies' choices, G drafts every round: compare their work alone")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.max_new_tokens < 1 or not args.temperature >= 0 or not 0 <= args.stalls < math.inf:
         ap.error("--repeats and --max-new-tokens must be >= 1, --temperature and --stalls >= 0 (--stalls finite)")
-    rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens, stalls=args.stalls)
+    if args.work > 8:
+        ap.error("--work must be at most 8 (the policies' bound here)")
+    rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens, stalls=args.stalls,
+               work=args.work)
     ratio = np.array([r["this"]["tokens_per_s"] / r["other"]["tokens_per_s"] for r in rows])
     print(f"T={args.temperature:g}, {len(rows)} repeats, the {len(CODE_PROMPTS)} built-in code prompts x "
           f"{args.max_new_tokens} tokens, 1 thread per model"
-          + (f", {STALL_S * 1e3:g} ms stalls injected at {args.stalls:g} per second of model time" if args.stalls else ""))
+          + (f", {STALL_S * 1e3:g} ms stalls injected at {args.stalls:g} per second of model time" if args.stalls else "")
+          + (f", both policies' choices overridden: {args.work} drafts every round" if args.work else ""))
     for side in ("plain", "this", "other"):
         rates = " ".join(f"{r[side]['tokens_per_s']:.0f}" for r in rows)
         share = np.median([r[side]["plain_step_share"] for r in rows])

@@ -61,19 +61,23 @@ class FixedLength:
         pass
 
 
-def working(gamma: int) -> AdaptiveGamma:
-    """The shipped policy, all its work done, its decisions overridden: G drafts, no plain steps."""
+def working(gamma: int, cls: type = AdaptiveGamma, max_gamma: int = MAX_GAMMA) -> AdaptiveGamma:
+    """The shipped policy (or ``cls``, another revision's), all its work done, its decisions
+    overridden: G drafts, no plain steps."""
 
-    class Working(AdaptiveGamma):
+    class Working(cls):
         def keep_going(self, i: int, confidence: float) -> bool:
             super().keep_going(i, confidence)
             return i < gamma
 
         def draft_next(self) -> bool:
             super().draft_next()
+            # It never takes the plain steps a probe asks for; a probe left pending would keep the
+            # policy from learning in batches (adaptive._BATCH), which it does once a probe is done.
+            self._probe = 0
             return True
 
-    return Working(MAX_GAMMA)
+    return Working(max_gamma)
 
 
 def main(argv: list[str] | None = None) -> int:

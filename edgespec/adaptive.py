@@ -81,6 +81,17 @@ _TRIAL = 4
 _CONF_WORTH = 0.02
 _CONF_SAMPLE = 16
 _COLD_PLAIN = 6        # plain steps after a drafted round that are not timed (see AdaptiveGamma._last)
+# The policy learns from drafted rounds _BATCH at a time once it has settled (past its warm-up,
+# not in a trial or a probe, not just back from plain steps). Its work comes right after a model
+# call, when the caches hold the model's data instead of the policy's: there, in the loop, the
+# same work cost ~3x what it costs in a tight loop (T=1 on the quick pair: learning from a round
+# 24 us, pricing a round 9 us, its stop test 5 us a draft; with static gamma 4 the policy's work
+# was 4.4% of the rounds' time). Learned in a batch, the first round pays for the cold caches and
+# the others run warm; pricing happens once per batch. About 1% faster there (benchmarks/policy_ab.py
+# --work, both sides decoding the same tokens). The fits forget over ~20-200 rounds, so rounds
+# priced on what was learned up to _BATCH - 1 rounds before decide as well; their choices still use
+# past rounds only, never the target's verdict on the round being drafted (exactness, see above).
+_BATCH = 8
 _PROBE = 4             # timed plain steps of a probe
 
 
@@ -192,9 +203,6 @@ class AdaptiveGamma:
         self._target_time = _WidthTime(max_gamma + 2)       # verify width k -> seconds per target call
         self._prob = 1.0
         self._expected = 1.0
-        self._draft_line = (1.0, 0.0)                       # this round's (a, b) of the drafting fit
-        self._verify = [1.0] * (max_gamma + 3)              # this round's verify seconds per width
-        self._mean_keep = 0.5
         self._spec = [0.0, 0.0]       # decayed (tokens, seconds) of timed drafted rounds
         self._plain = [0.0, 0.0]      # decayed (steps, seconds) of plain steps
         self._since_plain = 0         # drafted rounds since a plain step was timed
@@ -210,6 +218,8 @@ class AdaptiveGamma:
         # dozen, 0.42. They are not timed, so that each mode is priced at what it costs while it
         # lasts: timed, they made drafting look as fast as plain steps where it was 15% slower.
         self._last: tuple[str, int] = ("", 0)  # ("draft" or "plain", how many in a row)
+        self._pending: list[tuple] = []         # drafted rounds not learned yet (see _BATCH)
+        self._refresh()
 
     # ---------------------------------------------------------------- draft or not
     def draft_next(self) -> bool:
@@ -237,6 +247,7 @@ class AdaptiveGamma:
         self._plain_run += 1
         if self._plain_run <= self._explore:
             return False
+        self._flush()                                     # (a trial counts its own rounds only)
         self._plain_run, self._exploring = 0, True
         return True                                       # a drafted round to see whether that changed
 
@@ -263,6 +274,7 @@ class AdaptiveGamma:
 
     def record_plain(self, seconds: float) -> None:
         """Learn from a plain target step (no drafts): its time, sampling included."""
+        self._flush()                                     # the rounds before it come first
         n = self._last[1] + 1 if self._last[0] == "plain" else 1
         self._last = ("plain", n)
         if n <= _COLD_PLAIN:  # cold (see _last)
@@ -289,18 +301,23 @@ class AdaptiveGamma:
         self._with_conf = (self._fixed is not None or round_s <= 0.0 or conf_s < _CONF_WORTH * round_s
                            or self._blind + 1 >= _CONF_SAMPLE)
         self._blind = 0 if self._with_conf else self._blind + 1
-        # Nothing learned changes during a round (update() comes after it), so the fits and the
-        # mean keep rate are read once here, not once per drafted token (keep_going is on the
-        # draft loop's path).
+        return self.keep_going if self._with_conf else self._keep_going_blind
+
+    def _refresh(self) -> None:
+        """Price the next rounds' drafts from what has been learned (only learning changes it)."""
         if self._fixed is not None:
             c, slope = self._fixed
-            self._draft_line = (0.0, c)
-            self._verify = [1.0 + slope * max(0, k - 1) for k in range(self.max_gamma + 3)]
+            ad, bd = 0.0, c
+            verify = [1.0 + slope * max(0, k - 1) for k in range(self.max_gamma + 3)]
         else:
-            self._draft_line = self._draft_time.line()
-            self._verify = self._target_time.table()
+            ad, bd = self._draft_time.line()
+            verify = self._target_time.table()                                 # [k] t_target(k)
+        draft = [max(1e-9, ad + bd * i) for i in range(self.max_gamma + 2)]     # [i] t_draft(i)
+        # Drafting token i + 1 after i adds cost[i] seconds to a round that has spent spent[i].
+        self._spent = [draft[i] + verify[i + 1] for i in range(self.max_gamma + 1)]
+        self._cost = [max(0.0, draft[i + 1] - draft[i]) + max(0.0, verify[i + 2] - verify[i + 1])
+                      for i in range(self.max_gamma + 1)]
         self._mean_keep = self._all[0] / self._all[1]
-        return self.keep_going if self._with_conf else self._keep_going_blind
 
     def keep_going(self, i: int, confidence: float) -> bool:
         """After drafting token i with the given confidence: draft token i + 1?"""
@@ -311,13 +328,8 @@ class AdaptiveGamma:
         self._expected += self._prob
         if self._rounds <= self._untimed:  # nothing timed yet: explore the full length
             return True
-        gain = self._prob * self._mean_keep  # expected extra tokens from draft i + 1
-        ad, bd = self._draft_line
-        d_i, d_next = max(1e-9, ad + bd * i), max(1e-9, ad + bd * (i + 1))          # t_draft(i), (i + 1)
-        t_i, t_next = self._verify[i + 1], self._verify[i + 2]                      # t_target(i + 1), (i + 2)
-        cost = max(0.0, d_next - d_i) + max(0.0, t_next - t_i)
-        spent = d_i + t_i
-        return gain * spent > self._expected * cost
+        # gain: the expected extra tokens from draft i + 1; the rate rises iff gain / cost > expected / spent
+        return self._prob * self._mean_keep * self._spent[i] > self._expected * self._cost[i]
 
     def _keep_going_blind(self, i: int, confidence: float) -> bool:
         # the drafter gives NaN (see KeepGoing), a lookahead drafter's reused drafts their confidence
@@ -331,11 +343,28 @@ class AdaptiveGamma:
         ``keep`` [g]: the test's probability of keeping each draft once the ones before it are
         kept (``Verdict.keep``); with it the policy learns the round's expected outcome instead of
         the one its uniforms drew (n_accepted). ``confidences`` [g] may hold NaN (not computed);
-        ``confidence_s``: the part of ``draft_s`` spent computing them."""
-        conf = np.asarray(confidences, dtype=np.float64).tolist()                  # [g]
+        ``confidence_s``: the part of ``draft_s`` spent computing them. Once the policy has
+        settled, rounds are learned _BATCH at a time."""
+        conf = np.asarray(confidences, dtype=np.float64).tolist()     # [g] (copied: a drafter may reuse its buffers)
         g = len(conf)
         # [g] the drawn outcome (the first n kept, the next one rejected) unless keep is given
         keep = [float(j < n_accepted) for j in range(g)] if keep is None else np.asarray(keep, dtype=np.float64).tolist()
+        self._pending.append((conf, keep, draft_s, target_s, confidence_s, self._with_conf))
+        if (len(self._pending) >= _BATCH or not g or self._last[0] == "plain" or self._exploring or self._probe
+                or self._rounds + len(self._pending) <= self._untimed + _MIN_EVIDENCE):
+            self._flush()
+
+    def _flush(self) -> None:
+        """Learn from the pending rounds, in order, and price the next rounds with it."""
+        if self._pending:
+            pending, self._pending = self._pending, []
+            for r in pending:
+                self._learn(*r)
+            self._refresh()
+
+    def _learn(self, conf: list[float], keep: list[float], draft_s: float, target_s: float,
+               confidence_s: float, with_conf: bool) -> None:
+        g = len(conf)
         # Draft j is examined iff every draft before it is kept: probability reach_j = prod_{i < j}
         # keep_i. Crediting each bin with that probability (seen) and with it times keep_j (kept) is
         # the expectation of counting the examined drafts and the kept ones over the test's uniforms:
@@ -367,7 +396,7 @@ class AdaptiveGamma:
         if self._rounds <= self._untimed or switched:  # warm-up rounds (see _UNTIMED_ROUNDS), or cold (_last)
             return
         if g:
-            if self._with_conf and self._fixed is None:
+            if with_conf and self._fixed is None:
                 self._conf = [self._conf[0] * _SPEC_FORGET + confidence_s,
                               self._conf[1] * _SPEC_FORGET + draft_s + target_s]
             self._draft_time.add(g, draft_s)

@@ -884,6 +884,73 @@ def test_adaptive_verify_time_per_width_where_measured():
     assert t.table()[5] == pytest.approx(a + b * 5)
 
 
+def _policy_rounds(n: int, seed: int = 5) -> list[tuple]:
+    """n drafted rounds as the loop reports them: (confidences [g], keep [g], draft_s, target_s)."""
+    rng = np.random.default_rng(seed)
+    rounds = []
+    for _ in range(n):
+        g = int(rng.integers(1, 7))
+        stall = 5.0 if rng.random() < 0.05 else 1.0          # now and then a stalled call (the clip's case)
+        rounds.append((rng.random(g), rng.random(g) ** 0.3, 1.1e-4 * g * (1 + 0.1 * rng.random()),
+                       (6e-4 + 1e-4 * (g + 1)) * stall * (1 + 0.1 * rng.random())))
+    return rounds
+
+
+def test_adaptive_policy_learns_in_batches_what_it_learns_round_by_round():
+    """Settled, the policy learns drafted rounds _BATCH at a time (its work costs less there): it
+    must end each batch exactly where learning every round would have, in the same order (the fits'
+    stall clip and the decays depend on it), and price the next rounds from that."""
+    from edgespec.adaptive import _BATCH, AdaptiveGamma
+
+    def state(p):
+        return (p._kept, p._seen, p._all, p._spec, p._conf, p._rounds, p._draft_time.line(),
+                p._target_time.table(), p._spent, p._cost, p._mean_keep)
+
+    batched, every = AdaptiveGamma(8), AdaptiveGamma(8)
+    caught_up = 0
+    for conf, keep, draft_s, target_s in _policy_rounds(300):
+        for p in (batched, every):
+            p.start_round()
+            p.update(conf, 0, draft_s, target_s, keep)
+        every._flush()
+        if batched._pending:
+            assert batched._rounds < every._rounds               # behind, not lost
+        else:
+            caught_up += 1
+            assert state(batched) == state(every)
+            a, b = batched._draft_time.line()                     # priced from what it has learned
+            assert batched._spent[3] == max(1e-9, a + b * 3) + batched._target_time.table()[4]
+            assert batched._mean_keep == batched._all[0] / batched._all[1]
+    assert 300 // _BATCH <= caught_up < 300 // 2                 # it did batch (after its warm-up)
+
+
+def test_adaptive_policy_learns_pending_rounds_before_a_plain_step_and_with_their_own_confidence_flag():
+    """A plain step is learned after the drafted rounds before it (the cold-step count depends on
+    the order), and a pending round's confidence cost counts only if that round computed it."""
+    from edgespec import adaptive
+    from edgespec.adaptive import AdaptiveGamma
+
+    p = AdaptiveGamma(8)
+    rounds = _policy_rounds(40)
+    for conf, keep, draft_s, target_s in rounds[:30]:
+        p.start_round()
+        p.update(conf, 0, draft_s, target_s, keep)
+    p._flush()                                                # (settled from here: rounds now wait for a batch)
+    conf_before = list(p._conf)
+    (c1, k1, d1, t1), (c2, k2, d2, t2) = rounds[30:32]
+    p._with_conf = True                                       # (as start_round decides it)
+    p.update(c1, 0, d1, t1, k1, confidence_s=1e-5)
+    p._with_conf = False
+    p.update(c2, 0, d2, t2, k2, confidence_s=5e-5)            # (a blind round reports none; a wrong flag would add it)
+    assert len(p._pending) == 2
+    rounds_before = p._rounds
+    p.record_plain(0.001)
+    assert not p._pending and p._rounds == rounds_before + 2
+    assert p._last == ("plain", 1)                             # learned after the rounds: the first plain step
+    f = adaptive._SPEC_FORGET
+    assert p._conf == pytest.approx([conf_before[0] * f + 1e-5, conf_before[1] * f + d1 + t1])
+
+
 def test_adaptive_policy_with_a_smaller_bound_than_the_config_stays_within_it():
     """A policy passed to the loop drafts at most its own max_gamma, even if the config allows more."""
     from edgespec.adaptive import AdaptiveGamma

@@ -1039,6 +1039,13 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
     assert "this / HEAD: median" in capsys.readouterr().out
     assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--stalls", "1e6"]) == 0  # a stall after every call
     assert "4 ms stalls injected at 1e+06 per second" in capsys.readouterr().out
+    # --work: both policies' choices overridden, so both sides decode the same tokens (checked by the script)
+    rows = pab.run(bundle, "HEAD", 1.0, 1, 8, work=3)
+    assert rows[0]["this"]["plain_step_share"] == rows[0]["other"]["plain_step_share"] < 0.1  # (a call's last token)
+    assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--work", "3"]) == 0
+    assert "3 drafts every round" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        pab.main([bundle, "--work", "9"])
     with pytest.raises(InvalidArgumentError, match="cannot read edgespec/adaptive.py"):
         pab.policy_class("no-such-revision")
     if subprocess.run(["git", "cat-file", "-e", "c3986e0"], cwd=pab.ROOT, capture_output=True).returncode == 0:
