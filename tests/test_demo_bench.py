@@ -49,7 +49,8 @@ def test_demo_end_to_end_on_tiny_preset(tmp_path, monkeypatch, capsys):
     # the default measures gamma 4 and adaptive gamma side by side, at T=0 and T=1
     assert [line.strip() for line in out.splitlines() if line.strip().startswith("temperature ")][::2] == [
         "temperature 0, gamma 4:", "temperature 1, gamma 4:"]
-    assert out.count(", gamma auto (mean ") == 2
+    # (a policy that found plain steps faster on the tiny pair, as under load, prints "auto (nothing drafted)")
+    assert out.count(", gamma auto (mean ") + out.count(", gamma auto (nothing drafted)") == 2
     assert "--prompts FILE --max-new-tokens N` for the full grid" in out  # the tiny pair's 32 positions
     # second run reuses the cached pair and bundle; --max-new-tokens' default fits the tiny pair (96 did not)
     assert main([a for a in args if a not in ("--max-new-tokens", "8")]) == 0
