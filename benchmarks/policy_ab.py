@@ -154,18 +154,17 @@ def main(argv=None) -> int:
     ap.add_argument("bundle")
     ap.add_argument("--against", default="HEAD", help="git revision whose adaptive policy is the other side")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=at_least(1), default=10)
+    ap.add_argument("--max-new-tokens", type=at_least(1), default=96)
     ap.add_argument("--stalls", type=float, default=0.0,
                     help=f"inject {STALL_S * 1e3:g} ms stalls into model calls, this many per second of model time "
                          "(a busy host; default 0: none)")
-    ap.add_argument("--work", type=at_least(1), default=0, metavar="G",
-                    help="override both policies' choices, G drafts every round: compare their work alone")
+    ap.add_argument("--work", type=at_least(1, 8), default=0, metavar="G",
+                    help="override both policies' choices, G drafts every round (at most 8, the policies' bound "
+                         "here): compare their work alone")
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.max_new_tokens < 1 or not args.temperature >= 0 or not 0 <= args.stalls < math.inf:
-        ap.error("--repeats and --max-new-tokens must be >= 1, --temperature and --stalls >= 0 (--stalls finite)")
-    if args.work > 8:
-        ap.error("--work must be at most 8 (the policies' bound here)")
+    if not args.temperature >= 0 or not 0 <= args.stalls < math.inf:
+        ap.error("--temperature and --stalls must be >= 0 (--stalls finite)")
     rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens, stalls=args.stalls,
                work=args.work)
     ratio = np.array([r["this"]["tokens_per_s"] / r["other"]["tokens_per_s"] for r in rows])
