@@ -148,14 +148,16 @@ class RegimeAdaptive(AdaptiveGamma):
         super().__init__(max_gamma)
         self._split = split
         self._recent = collections.deque(maxlen=window)             # [<= window] 1.0 kept / 0.0 rejected
-        self._kept_r = np.full((2, adaptive._BINS), 1.0)           # [regime, bins] Beta(1, 1) priors
-        self._seen_r = np.full((2, adaptive._BINS), 2.0)           # [regime, bins]
+        self._kept_r = np.zeros((2, adaptive._BINS))               # [regime, bins] decayed counts
+        self._seen_r = np.zeros((2, adaptive._BINS))               # [regime, bins]
         self._regime = 1
         self._regimes: collections.deque = collections.deque()      # regimes of the rounds not learned yet
 
     def _keep_prob(self, confidence: float) -> float:
+        # as the shipped policy's bins: shrunk towards the mean keep rate (adaptive._SHRINK)
         b = min(int(confidence * adaptive._BINS), adaptive._BINS - 1)
-        return float(self._kept_r[self._regime, b] / self._seen_r[self._regime, b])
+        return float((self._kept_r[self._regime, b] + adaptive._SHRINK * self._mean_keep)
+                     / (self._seen_r[self._regime, b] + adaptive._SHRINK))
 
     def start_round(self):
         keep_going = super().start_round()

@@ -12,7 +12,9 @@ repeat is a warm-up and is not reported.
 
 With ``--work G`` both policies do all their work but G drafts every round whatever they decide
 (benchmarks/policy_overhead.py's "policy work"): both sides then decode the same text (checked),
-at T > 0 too, and the ratio is what the policies' work costs, apart from their choices.
+at T > 0 too, and the ratio is what the policies' work costs, apart from their choices. With
+``--fresh`` each call gets a new policy on each side, as a one-shot `edgespec generate`, an engine's
+first call or a seeded sampled call does: what the policies do before they have learned the pair.
 """
 from __future__ import annotations
 
@@ -101,9 +103,10 @@ def add_stalls(backend, per_second: float, rng: np.random.Generator) -> None:
 
 
 def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tokens: int, max_gamma: int = 8,
-        stalls: float = 0.0, work: int = 0):
+        stalls: float = 0.0, work: int = 0, fresh: bool = False):
     """Per repeat: tokens/s of plain decoding and of both policies, and each policy's plain-step share
-    (``work`` > 0: both policies' choices overridden, that many drafts every round)."""
+    (``work`` > 0: both policies' choices overridden, that many drafts every round; ``fresh``: a new
+    policy for every call)."""
     import edgespec
     from edgespec.adaptive import AdaptiveGamma
     from edgespec.bundle import load_bundle
@@ -121,9 +124,10 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
         raise InvalidArgumentError(f"{bundle} has no draft model; export the bundle with --draft")
     prompts = [eng.encode(p) for p in CODE_PROMPTS]
     if work:
-        policies = {"this": working(work, AdaptiveGamma, max_gamma), "other": working(work, other, max_gamma)}
+        make = {"this": lambda: working(work, AdaptiveGamma, max_gamma), "other": lambda: working(work, other, max_gamma)}
     else:
-        policies = {"this": AdaptiveGamma(max_gamma), "other": other(max_gamma)}
+        make = {"this": lambda: AdaptiveGamma(max_gamma), "other": lambda: other(max_gamma)}
+    policies = {side: new() for side, new in make.items()}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=None, max_gamma=max_gamma,
                            sampling=SamplingConfig(temperature=temperature))
     rows = []
@@ -134,8 +138,9 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
             texts = {}
             for side in order:
                 t0 = time.perf_counter()
+                policy = make[side]() if fresh and side != "plain" else policies.get(side)
                 res = generate(eng.target, ids, cfg, np.random.default_rng(1000 * rep + i),
-                               draft=None if side == "plain" else eng.draft, policy=policies.get(side))
+                               draft=None if side == "plain" else eng.draft, policy=policy)
                 tally[side][0] += res.stats.emitted
                 tally[side][1] += time.perf_counter() - t0
                 tally[side][2] += res.stats.plain_steps
@@ -162,16 +167,19 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=at_least(1, 8), default=0, metavar="G",
                     help="override both policies' choices, G drafts every round (at most 8, the policies' bound "
                          "here): compare their work alone")
+    ap.add_argument("--fresh", action="store_true",
+                    help="a new policy for every call on both sides (before they have learned the pair)")
     args = ap.parse_args(argv)
     if not args.temperature >= 0 or not 0 <= args.stalls < math.inf:
         ap.error("--temperature and --stalls must be >= 0 (--stalls finite)")
     rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens, stalls=args.stalls,
-               work=args.work)
+               work=args.work, fresh=args.fresh)
     ratio = np.array([r["this"]["tokens_per_s"] / r["other"]["tokens_per_s"] for r in rows])
     print(f"T={args.temperature:g}, {len(rows)} repeats, the {len(CODE_PROMPTS)} built-in code prompts x "
           f"{args.max_new_tokens} tokens, 1 thread per model"
           + (f", {STALL_S * 1e3:g} ms stalls injected at {args.stalls:g} per second of model time" if args.stalls else "")
-          + (f", both policies' choices overridden: {args.work} drafts every round" if args.work else ""))
+          + (f", both policies' choices overridden: {args.work} drafts every round" if args.work else "")
+          + (", a new policy for every call" if args.fresh else ""))
     for side in ("plain", "this", "other"):
         rates = " ".join(f"{r[side]['tokens_per_s']:.0f}" for r in rows)
         share = np.median([r[side]["plain_step_share"] for r in rows])

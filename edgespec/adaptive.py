@@ -30,6 +30,14 @@ import numpy as np
 
 _BINS = 10
 _FORGET = 0.995   # per-round decay of the acceptance counts: follows drifting text
+# A fresh policy knows nothing of the pair. Its mean keep rate starts from _PRIOR_SEEN drafts at
+# 0.5, and each confidence bin's rate is its own counts shrunk towards that mean by _SHRINK drafts'
+# worth. Each bin used to start from Beta(1, 1) on its own (two drafts at 0.5 per bin, twenty in the
+# mean): a fresh policy then drafted 2-3 tokens where 5 was best for the first ~100 tokens, and
+# a call with its own policy (a seeded sampled call, the first calls of an engine) ran at 0.80 of
+# static gamma 5 at T=0 and 0.86 at T=1 on the quick pair (96 tokens).
+_PRIOR_SEEN = 2.0
+_SHRINK = 2.0
 _FORGET_TIME = 0.98  # per-round decay of the time fits (draft and target)
 # A call that stalls (the host ran something else: a time slice is milliseconds, a quick-pair verify
 # call 0.7 ms) enters the time fits as at most _CLIP times what they predicted, once they have
@@ -192,9 +200,9 @@ class AdaptiveGamma:
         # Plain Python floats and lists here, not numpy: the policy runs a few dozen small steps
         # per round, and numpy's per-call cost, cold after each model call, made them ~100 us a
         # round, 10% of a round on the quick pair.
-        self._kept = [1.0] * _BINS           # [bins] Beta(1, 1) prior on each bin's keep rate
-        self._seen = [2.0] * _BINS           # [bins]
-        self._all = [sum(self._kept), sum(self._seen)]  # (kept, seen) of every draft, its confidence known or not
+        self._kept = [0.0] * _BINS           # [bins] decayed counts of kept drafts (expected, see update)
+        self._seen = [0.0] * _BINS           # [bins] and of examined ones
+        self._all = [0.5 * _PRIOR_SEEN, _PRIOR_SEEN]  # (kept, seen) of every draft, its confidence known or not
         self._conf = [0.0, 0.0]       # decayed (seconds computing confidences, seconds) of timed rounds that did
         self._with_conf = True        # this round's drafter computes confidences
         self._blind = 0               # rounds since one did
@@ -287,8 +295,7 @@ class AdaptiveGamma:
     def _keep_prob(self, confidence: float) -> float:
         if confidence != confidence:        # NaN: not computed this round (see _CONF_WORTH)
             return self._mean_keep
-        b = min(int(confidence * _BINS), _BINS - 1)
-        return self._kept[b] / self._seen[b]
+        return self._bin_keep[min(int(confidence * _BINS), _BINS - 1)]
 
     # ---------------------------------------------------------------- per round
     # (-> drafters.KeepGoing, not imported: benchmarks/policy_ab.py runs this file on its own)
@@ -317,7 +324,8 @@ class AdaptiveGamma:
         self._spent = [draft[i] + verify[i + 1] for i in range(self.max_gamma + 1)]
         self._cost = [max(0.0, draft[i + 1] - draft[i]) + max(0.0, verify[i + 2] - verify[i + 1])
                       for i in range(self.max_gamma + 1)]
-        self._mean_keep = self._all[0] / self._all[1]
+        self._mean_keep = m = self._all[0] / self._all[1]
+        self._bin_keep = [(k + _SHRINK * m) / (n + _SHRINK) for k, n in zip(self._kept, self._seen)]  # [bins]
 
     def keep_going(self, i: int, confidence: float) -> bool:
         """After drafting token i with the given confidence: draft token i + 1?"""

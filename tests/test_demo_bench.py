@@ -1005,7 +1005,7 @@ def _no_draft(mod, tiny_bundle, tmp_path):
     mod.main([str(b), "--max-new-tokens", "4"])
 
 
-def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
+def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys, monkeypatch):
     """benchmarks/policy_ab.py runs the checkout's adaptive policy and another revision's side by
     side with plain decoding; a revision before Verdict.keep still runs in this loop, and a revision
     git cannot read is a clear error."""
@@ -1045,6 +1045,12 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys):
     assert rows[0]["this"]["plain_step_share"] == rows[0]["other"]["plain_step_share"] < 0.1  # (a call's last token)
     assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--work", "3"]) == 0
     assert "3 drafts every round" in capsys.readouterr().out
+    made = []
+    real_init = AdaptiveGamma.__init__
+    monkeypatch.setattr(AdaptiveGamma, "__init__", lambda self, *a, **k: (made.append(self), real_init(self, *a, **k))[1])
+    assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--fresh"]) == 0
+    assert "a new policy for every call" in capsys.readouterr().out
+    assert len(made) == 1 + 2 * len(pab.CODE_PROMPTS)   # this side's: one kept, then one per call (2 repeats)
     with pytest.raises(SystemExit):
         pab.main([bundle, "--work", "9"])
     with pytest.raises(InvalidArgumentError, match="cannot read edgespec/adaptive.py"):
