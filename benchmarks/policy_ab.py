@@ -18,7 +18,6 @@ first call or a seeded sampled call does: what the policies do before they have 
 """
 from __future__ import annotations
 
-import argparse
 import inspect
 import math
 import subprocess
@@ -32,6 +31,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 
 from policy_overhead import working  # noqa: E402  (a sibling script: the policy with its choices overridden)
+from revision_ab import ab_parser  # noqa: E402  (the options both A/B scripts take)
 
 from edgespec.cli import at_least  # noqa: E402
 from edgespec.errors import InvalidArgumentError  # noqa: E402
@@ -155,12 +155,7 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("bundle")
-    ap.add_argument("--against", default="HEAD", help="git revision whose adaptive policy is the other side")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--repeats", type=at_least(1), default=10)
-    ap.add_argument("--max-new-tokens", type=at_least(1), default=96)
+    ap = ab_parser(__doc__.split("\n\n")[0], "git revision whose adaptive policy is the other side", 10)
     ap.add_argument("--stalls", type=float, default=0.0,
                     help=f"inject {STALL_S * 1e3:g} ms stalls into model calls, this many per second of model time "
                          "(a busy host; default 0: none)")
@@ -170,8 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fresh", action="store_true",
                     help="a new policy for every call on both sides (before they have learned the pair)")
     args = ap.parse_args(argv)
-    if not args.temperature >= 0 or not 0 <= args.stalls < math.inf:
-        ap.error("--temperature and --stalls must be >= 0 (--stalls finite)")
+    if not 0 <= args.stalls < math.inf:
+        ap.error("--stalls must be finite and >= 0")
     rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens, stalls=args.stalls,
                work=args.work, fresh=args.fresh)
     ratio = np.array([r["this"]["tokens_per_s"] / r["other"]["tokens_per_s"] for r in rows])

@@ -111,17 +111,33 @@ def run(bundle: str, against: str, temperature: float, gamma: str, repeats: int,
     return rates
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def temperature(text: str) -> float:
+    """An argparse type: a finite temperature >= 0 (a usage error otherwise)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be finite and >= 0, got {text}")
+    return value
+
+
+def ab_parser(description: str, against: str, repeats: int) -> argparse.ArgumentParser:
+    """The options this script and policy_ab.py share: the bundle, the other revision (``against``:
+    its help), the temperature, the repeats (default ``repeats``) and the tokens per prompt."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("bundle")
-    ap.add_argument("--against", default="HEAD", help="git revision run as the other side (default HEAD)")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--gamma", default="4", help="draft length, or 'auto' for adaptive gamma (default 4)")
-    ap.add_argument("--repeats", type=at_least(1), default=12)
+    ap.add_argument("--against", default="HEAD", help=against)
+    ap.add_argument("--temperature", type=temperature, default=1.0)
+    ap.add_argument("--repeats", type=at_least(1), default=repeats)
     ap.add_argument("--max-new-tokens", type=at_least(1), default=96)
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = ab_parser(__doc__.split("\n\n")[0], "git revision run as the other side (default HEAD)", 12)
+    ap.add_argument("--gamma", default="4", help="draft length, or 'auto' for adaptive gamma (default 4)")
     args = ap.parse_args(argv)
-    if not 0 <= args.temperature < math.inf:
-        ap.error("--temperature must be finite and >= 0")
     try:
         gamma = parse_gamma(args.gamma)
     except InvalidArgumentError as exc:
