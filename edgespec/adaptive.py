@@ -52,9 +52,14 @@ _CLIP = 2.0
 _CLIP_AFTER = 5.0
 # The first calls of a new session are slow (allocation, cold caches: on the quick pair a first
 # 9-token verify took 2.8 ms, a warm one ~1.5). Timed, such a round makes extra tokens look dear,
-# the policy then drafts 1 token and never measures a longer round again. So the first rounds
-# draft at full length and are not timed.
+# the policy then drafts 1 token and never measures a longer round again. So the first rounds are
+# not timed. They draft _WARM_LENGTH tokens, a middle length: with nothing learned yet, the full
+# length (max_gamma, 8 by default) spent its drafts where the first tokens of a text are often
+# rejected (quick pair, a new policy for every 96-token call: 0 of 8 kept in a first round at
+# greedy). The first timed round then sees one width, prices extra drafts at their draft time only
+# and drafts longer, so longer widths are still measured.
 _UNTIMED_ROUNDS = 2
+_WARM_LENGTH = 4
 _SPEC_FORGET = 0.95   # per drafted round: the decay of its (tokens, seconds) sums (about the last 20 rounds)
 _PLAIN_FORGET = 0.9   # per plain step: the decay of the plain step time's sums (about the last 10 steps)
 # A plain step's time is measured by a probe: _PROBE timed plain steps (after the _COLD_PLAIN cold
@@ -65,7 +70,11 @@ _PLAIN_FORGET = 0.9   # per plain step: the decay of the plain step time's sums 
 # plain steps were faster. Only where that line says drafting wins
 # by _SURE_WIN or more (well beyond that 36%) is the first probe skipped: its 10 plain steps cost a
 # short call on the bench pair, where drafting is 2-2.5x faster (64-token calls, a policy each: 1.13x
-# faster without it). While plain steps are faster, a round is drafted anyway after _EXPLORE plain
+# faster without it). Where the line says drafting wins by _CLEAR_WIN or more, the first probe waits
+# for _FIRST_PROBE timed rounds instead of _MIN_EVIDENCE: on the quick pair (2-core Xeon) the line's
+# ratio after 8 rounds was 1.3-1.5 on most prompts at T=1, drafting won by 1.3-1.5x, and the probe
+# cost a 96-token call 4-5%. Drafting that wins by the line's 1.25 and still loses (the 36% above)
+# runs at 0.92x plain steps or better until the probe, 24 rounds later. While plain steps are faster, a round is drafted anyway after _EXPLORE plain
 # steps, so that a change (text that gets easier, a host that gets busier) is seen: a trial of up to
 # _TRIAL timed rounds (after the cold first one), ended by the first point where the trial's rounds
 # together lose to plain steps (then the wait doubles, up to _EXPLORE_MAX); a trial whose rounds all
@@ -75,6 +84,7 @@ _PLAIN_FORGET = 0.9   # per plain step: the decay of the plain step time's sums 
 _CLEAR_WIN = 1.25
 _SURE_WIN = 1.6
 _MIN_EVIDENCE = 8      # timed drafted rounds before plain steps are considered (one round says little)
+_FIRST_PROBE = 32
 _REMEASURE = 64
 _EXPLORE, _EXPLORE_MAX = 16, 128
 _TRIAL = 4
@@ -240,8 +250,9 @@ class AdaptiveGamma:
             return False                                  # timing plain steps (record_plain counts them)
         spec_rate = self._spec[0] / self._spec[1]          # tokens per second (per target step: fixed costs)
         if self._fixed is None and self._plain[0] <= 0:   # never measured
-            if spec_rate * self._target_time(1) >= _SURE_WIN:
-                return self._drafting()                   # far ahead even if the line's estimate is well off
+            by_line = spec_rate * self._target_time(1)     # drafting over plain steps, by the verify line
+            if by_line >= _SURE_WIN or (by_line >= _CLEAR_WIN and self._rounds < self._untimed + _FIRST_PROBE):
+                return self._drafting()                   # far ahead even if the line is well off, or not yet
             self._probe = _PROBE
             return False
         ratio = spec_rate * self._plain_seconds()
@@ -335,8 +346,8 @@ class AdaptiveGamma:
         a = self._keep_prob(confidence)
         self._prob *= a
         self._expected += self._prob
-        if self._rounds <= self._untimed:  # nothing timed yet: explore the full length
-            return True
+        if self._rounds <= self._untimed:  # nothing timed yet: a middle length (see _WARM_LENGTH)
+            return i < _WARM_LENGTH
         # gain: the expected extra tokens from draft i + 1; the rate rises iff gain / cost > expected / spent
         return self._prob * self._mean_keep * self._spent[i] > self._expected * self._cost[i]
 

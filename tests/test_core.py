@@ -791,10 +791,11 @@ def test_adaptive_policy_prefers_long_drafts_when_cheap_and_accurate():
 
 
 def test_adaptive_policy_is_not_misled_by_a_cold_first_round(monkeypatch):
-    """A new session's first calls are slow. Timed, the first (full-length) round makes long
-    verifies look dear, the policy drafts short rounds and never measures a long one again; the
-    warm-up rounds are not timed. Modelled run: keep rate 0.8, a draft step and an extra verified
-    token each cost 5% of a step (best static gamma 5-7), the first round 2.5x slower."""
+    """A new session's first calls are slow. Timed, the first rounds (4 drafts, then longer ones)
+    make long verifies look dear, the policy drafts short rounds and never measures a long one
+    again; the warm-up rounds are not timed. Modelled run: keep rate 0.8, a draft step and an extra
+    verified token each cost 5% of a step (best static gamma 5-7), the first two rounds 2.5x slower
+    (one slow round of 4 drafts, timed, no longer misleads: it makes the longer rounds look cheap)."""
     from edgespec import adaptive
 
     def late_gammas(untimed: int) -> list[int]:
@@ -808,13 +809,25 @@ def test_adaptive_policy_is_not_misled_by_a_cold_first_round(monkeypatch):
             kept = 0
             while kept < g and rng.random() < 0.8:
                 kept += 1
-            cold = 2.5 if r == 0 else 1.0
+            cold = 2.5 if r < 2 else 1.0
             policy.update(np.full(g, 0.95), kept, cold * 0.05 * g, cold * (1.0 + 0.05 * g))
             gammas.append(g)
         return gammas[-20:]
 
     assert np.mean(late_gammas(adaptive._UNTIMED_ROUNDS)) >= 4.5
     assert np.mean(late_gammas(0)) < 3      # timing the cold round: stuck on short drafts
+
+
+def test_a_fresh_policy_warms_up_on_rounds_of_four_drafts():
+    """The untimed warm-up rounds, and the first timed one (chosen before any round is timed), draft
+    4 tokens, not the bound: a text's first tokens are often rejected, and a full-length first round
+    spent 8 drafts on them. Then the policy chooses (here, with one width measured, it prices extra
+    drafts at their draft time only and drafts long); a smaller bound caps the warm-up too."""
+    from edgespec.adaptive import AdaptiveGamma
+
+    choices = _modelled_run(AdaptiveGamma(8), 10, keep=0.85, verify_slope=0.1, rng=np.random.default_rng(2))
+    assert choices[:4] == [4, 4, 4, 8], choices
+    assert _modelled_run(AdaptiveGamma(3), 4, keep=0.85, verify_slope=0.1, rng=np.random.default_rng(2)) == [3] * 4
 
 
 def test_adaptive_fixed_drafting_cost_is_not_charged_per_draft():
@@ -1137,14 +1150,15 @@ def test_verdict_keep_is_the_tests_keep_probability():
 
 def test_adaptive_policy_never_takes_plain_steps_where_drafting_clearly_wins():
     """Drafted rounds 25% or more faster than plain steps: one probe that times plain steps (10:
-    six cold, four timed) after the first drafted rounds, then no plain step is ever taken to check
-    again (a check costs a round's worth of tokens). Where the verify calls' line says drafting is
-    1.6x faster, not even the probe (a short call would pay it: 10 plain steps in its first tokens)."""
+    six cold, four timed), after 32 timed rounds (2 untimed before them), then no plain step is ever
+    taken to check again (a check costs a round's worth of tokens). Where the verify calls' line says
+    drafting is 1.6x faster, not even the probe (a short call would pay it: 10 plain steps in its
+    first tokens)."""
     from edgespec.adaptive import AdaptiveGamma
 
     choices = _modelled_run(AdaptiveGamma(8), 800, keep=0.75, verify_slope=0.2, rng=np.random.default_rng(1),
                             expected=True)   # drafting about 1.45x faster
-    assert _plain_runs(choices) == [10] and choices.index(0) == 10
+    assert _plain_runs(choices) == [10] and choices.index(0) == 2 + 32
     sure = _modelled_run(AdaptiveGamma(8), 800, keep=0.85, verify_slope=0.1, rng=np.random.default_rng(1))
     assert 0 not in sure                     # about 1.7x by the line: no probe
 
@@ -1167,14 +1181,15 @@ def test_adaptive_policy_measures_plain_steps_instead_of_extrapolating():
 
 
 def test_adaptive_policy_times_plain_steps_where_drafting_wins_narrowly():
-    """Drafting a little faster than plain steps (about 1.15x): plain steps are timed, then again
-    after 64 drafted rounds, ten at a time (the first six after a drafted round run cold and are
-    not timed); the policy keeps drafting in between."""
+    """Drafting a little faster than plain steps (about 1.15x): plain steps are timed after 8 timed
+    rounds (by the verify line drafting wins by less than 25%: the first probe does not wait), then
+    again after 64 drafted rounds, ten at a time (the first six after a drafted round run cold and
+    are not timed); the policy keeps drafting in between."""
     from edgespec.adaptive import AdaptiveGamma
 
     choices = _modelled_run(AdaptiveGamma(8), 800, keep=0.6, verify_slope=0.25, rng=np.random.default_rng(2))
     plain = [i for i, g in enumerate(choices) if g == 0]
-    assert set(_plain_runs(choices)) == {10} and 5 <= len(plain) // 10 <= 15, plain
+    assert set(_plain_runs(choices)) == {10} and 5 <= len(plain) // 10 <= 15 and plain[0] == 2 + 8, plain
     assert all(b - a > 60 for a, b in zip(plain, plain[1:]) if b - a > 1), plain
 
 
