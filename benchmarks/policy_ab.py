@@ -15,6 +15,8 @@ With ``--work G`` both policies do all their work but G drafts every round whate
 at T > 0 too, and the ratio is what the policies' work costs, apart from their choices. With
 ``--fresh`` each call gets a new policy on each side, as a one-shot `edgespec generate`, an engine's
 first call or a seeded sampled call does: what the policies do before they have learned the pair.
+With ``--static G`` the other side is static gamma G instead of a revision's policy (with ``--fresh``:
+what a call with a new policy costs against the static gamma a sweep found best).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import time
 import types
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -103,10 +106,11 @@ def add_stalls(backend, per_second: float, rng: np.random.Generator) -> None:
 
 
 def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tokens: int, max_gamma: int = 8,
-        stalls: float = 0.0, work: int = 0, fresh: bool = False):
+        stalls: float = 0.0, work: int = 0, fresh: bool = False, static: int = 0):
     """Per repeat: tokens/s of plain decoding and of both policies, and each policy's plain-step share
     (``work`` > 0: both policies' choices overridden, that many drafts every round; ``fresh``: a new
-    policy for every call)."""
+    policy for every call; ``static`` > 0: the other side drafts that many every round, no policy,
+    and ``against`` is not read)."""
     import edgespec
     from edgespec.adaptive import AdaptiveGamma
     from edgespec.bundle import load_bundle
@@ -114,7 +118,7 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
     from edgespec.loop import generate
 
     load_bundle(Path(bundle))  # a missing bundle is reported first, before the note about the revision
-    other = policy_class(against)  # then a bad revision, before the sessions' seconds of loading
+    other = None if static else policy_class(against)  # then a bad revision, before the sessions' seconds of loading
     eng = edgespec.load(bundle, threads=1, draft_threads=1)
     if stalls > 0:  # (the same generator for both models: one host)
         rng = np.random.default_rng(123)
@@ -127,9 +131,12 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
         make = {"this": lambda: working(work, AdaptiveGamma, max_gamma), "other": lambda: working(work, other, max_gamma)}
     else:
         make = {"this": lambda: AdaptiveGamma(max_gamma), "other": lambda: other(max_gamma)}
+    if static:
+        make["other"] = lambda: None  # the loop drafts config.gamma every round
     policies = {side: new() for side, new in make.items()}
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=None, max_gamma=max_gamma,
                            sampling=SamplingConfig(temperature=temperature))
+    side_cfg = {"plain": cfg, "this": cfg, "other": replace(cfg, gamma=static) if static else cfg}
     rows = []
     for rep in range(repeats + 1):
         tally = {k: [0, 0.0, 0] for k in ("plain", "this", "other")}  # tokens, seconds, plain steps
@@ -139,7 +146,7 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
             for side in order:
                 t0 = time.perf_counter()
                 policy = make[side]() if fresh and side != "plain" else policies.get(side)
-                res = generate(eng.target, ids, cfg, np.random.default_rng(1000 * rep + i),
+                res = generate(eng.target, ids, side_cfg[side], np.random.default_rng(1000 * rep + i),
                                draft=None if side == "plain" else eng.draft, policy=policy)
                 tally[side][0] += res.stats.emitted
                 tally[side][1] += time.perf_counter() - t0
@@ -164,11 +171,16 @@ def main(argv=None) -> int:
                          "here): compare their work alone")
     ap.add_argument("--fresh", action="store_true",
                     help="a new policy for every call on both sides (before they have learned the pair)")
+    ap.add_argument("--static", type=at_least(1, 8), default=0, metavar="G",
+                    help="the other side is static gamma G (at most 8), not a revision's policy (--against is not read)")
     args = ap.parse_args(argv)
     if not 0 <= args.stalls < math.inf:
         ap.error("--stalls must be finite and >= 0")
+    if args.static and args.work:
+        ap.error("--static and --work exclude each other (--work overrides both sides' policies)")
     rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens, stalls=args.stalls,
-               work=args.work, fresh=args.fresh)
+               work=args.work, fresh=args.fresh, static=args.static)
+    other = f"gamma {args.static}" if args.static else args.against
     ratio = np.array([r["this"]["tokens_per_s"] / r["other"]["tokens_per_s"] for r in rows])
     print(f"T={args.temperature:g}, {len(rows)} repeats, the {len(CODE_PROMPTS)} built-in code prompts x "
           f"{args.max_new_tokens} tokens, 1 thread per model"
@@ -180,8 +192,8 @@ def main(argv=None) -> int:
         share = np.median([r[side]["plain_step_share"] for r in rows])
         print(f"{side:>6}: tok/s {rates}  (plain-step share, median {share:.2f})")
     over_plain = {s: np.median([r[s]["tokens_per_s"] / r["plain"]["tokens_per_s"] for r in rows]) for s in ("this", "other")}
-    print(f"this / {args.against}: median {np.median(ratio):.3f} [IQR {np.percentile(ratio, 25):.3f}-"
-          f"{np.percentile(ratio, 75):.3f}]; over plain: this {over_plain['this']:.3f}, {args.against} {over_plain['other']:.3f}")
+    print(f"this / {other}: median {np.median(ratio):.3f} [IQR {np.percentile(ratio, 25):.3f}-"
+          f"{np.percentile(ratio, 75):.3f}]; over plain: this {over_plain['this']:.3f}, {other} {over_plain['other']:.3f}")
     return 0
 
 

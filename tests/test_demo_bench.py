@@ -1051,8 +1051,15 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys, monk
     assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--fresh"]) == 0
     assert "a new policy for every call" in capsys.readouterr().out
     assert len(made) == 1 + 2 * len(pab.CODE_PROMPTS)   # this side's: one kept, then one per call (2 repeats)
-    with pytest.raises(SystemExit):
-        pab.main([bundle, "--work", "9"])
+    # --static: the other side drafts G every round, with no policy (and no revision read)
+    made.clear()
+    rows = pab.run(bundle, "no-such-revision", 0.0, 1, 8, static=2, fresh=True)
+    assert rows[0]["other"]["tokens_per_s"] > 0 and len(made) == 1 + 2 * len(pab.CODE_PROMPTS)  # this side's only
+    assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--static", "2"]) == 0
+    assert "this / gamma 2: median" in capsys.readouterr().out
+    for bad in (["--work", "9"], ["--static", "9"], ["--static", "2", "--work", "2"]):
+        with pytest.raises(SystemExit):
+            pab.main([bundle, *bad])
     with pytest.raises(InvalidArgumentError, match="cannot read edgespec/adaptive.py"):
         pab.policy_class("no-such-revision")
     if subprocess.run(["git", "cat-file", "-e", "c3986e0"], cwd=pab.ROOT, capture_output=True).returncode == 0:
