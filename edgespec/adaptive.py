@@ -73,11 +73,12 @@ _PLAIN_FORGET = 0.9   # per plain step: the decay of the plain step time's sums 
 # short call on the bench pair, where drafting is 2-2.5x faster (64-token calls, a policy each: 1.13x
 # faster without it). Where the line says drafting wins by _CLEAR_WIN or more, the first probe waits
 # for _FIRST_PROBE timed rounds instead of _MIN_EVIDENCE: on the quick pair (2-core Xeon) the line's
-# ratio after 8 rounds was 1.3-1.5 on most prompts at T=1, drafting won by 1.3-1.5x, and the probe
-# cost a 96-token call 4-5%. Drafting that wins by the line's 1.25 and still loses (the 36% above)
-# runs at 0.92x plain steps or better until the probe, 24 rounds later. While plain steps are faster, a round is drafted anyway after _EXPLORE plain
-# steps, so that a change (text that gets easier, a host that gets busier) is seen: a trial of up to
-# _TRIAL timed rounds (after the cold first one), ended by the first point where the trial's rounds
+# ratio after 8 rounds was 1.3-1.5 on 5 of 8 prompts at T=1, drafting won by 1.45-1.7x, and the
+# probe cost a 96-token call 3-5%. Drafting that wins by the line's 1.25 and still loses (the 36%
+# above) runs at 0.92x plain steps or better until the probe, 24 rounds later. While plain steps
+# are faster, a round is drafted anyway after _EXPLORE plain steps, so that a change (text that
+# gets easier, a host that gets busier) is seen: a trial of up to _TRIAL timed rounds (after the
+# cold first one), ended by the first point where the trial's rounds
 # together lose to plain steps (then the wait doubles, up to _EXPLORE_MAX); a trial whose rounds all
 # win together replaces what the policy knew of drafted rounds (the text changed), and drafting
 # resumes. One round decides little at T > 0: where drafting ran at 0.67-0.72x of plain steps on the
