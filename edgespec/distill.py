@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -354,16 +355,20 @@ def _generated_rows(batch_size: int, generated: float) -> int:
 
 def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps: int, batch_size: int, lr: float,
                 mode: str | None, seed: int, special_ids: dict, generated: float = 0.0, pool=None, init=None,
-                progress: bool = True, desc: str = "distill", on_step: Callable[[int], None] | None = None):
+                progress: bool = True, desc: str = "distill", on_step: Callable[[int], None] | None = None,
+                state_path: Path | None = None, checkpoint_every: int = 0, settings: dict | None = None):
     """Train a Llama draft. ``mode=None`` is the corpus-only baseline (cross-entropy on the same
     windows); otherwise the draft matches the target's distributions with the given loss. With
     ``generated > 0`` that fraction of each batch is rows of ``pool`` ``[N, context + 1]`` (the
-    target's continuations, see :func:`continuations`). ``on_step(n)`` runs after the n-th step."""
+    target's continuations, see :func:`continuations`). ``on_step(n)`` runs after the n-th step.
+    With ``state_path``, the training state (weights, optimizer, step) is saved there every
+    ``checkpoint_every`` steps, and a state found there is resumed if it was saved with the same
+    ``settings`` (the caller deletes it once the draft is written)."""
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
 
-    from .pair import _batch, _lr_at, new_llama, optimizer_step
+    from .pair import _atomic_torch_save, _batch, _lr_at, new_llama, optimizer_step
 
     torch.manual_seed(seed * 100 + 3)
     if init is not None:
@@ -378,11 +383,12 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     n_gen = _generated_rows(batch_size, generated) if mode is not None else 0
     if n_gen and (pool is None or pool.shape[1] != context + 1):
         raise InvalidArgumentError(f"generated > 0 needs a pool of target continuations [N, {context + 1}]")
+    first = _resume(state_path, settings, draft, opt, steps, progress) if state_path is not None else 0
     draft.train()
     target.eval()
     history = []
-    with tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True, **bar_options(progress)) as bar:
-        for step in range(steps):
+    with tqdm(total=steps, initial=first, desc=desc, unit="step", dynamic_ncols=True, **bar_options(progress)) as bar:
+        for step in range(first, steps):
             for g in opt.param_groups:
                 g["lr"] = _lr_at(step, steps, lr, warmup)
             x = _batch(train_ids, step, seed, 3, batch_size, context)
@@ -403,10 +409,53 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
             bar.set_postfix({k: f"{v:.3f}" for k, v in post.items()}, refresh=False)  # update() draws, at its own pace
             bar.update(1)
             history.append(post)
+            if state_path is not None and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+                # Every batch is a function of (seed, step) and nothing else draws from an RNG, so a
+                # resumed run computes the same steps as an uninterrupted one (bit for bit on one machine).
+                _atomic_torch_save({"settings": settings, "step": step + 1, "model": draft.state_dict(),
+                                    "optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, state_path)
             if on_step is not None:
                 on_step(step + 1)
     draft.eval()
     return draft
+
+
+def _resume(state_path: Path, settings: dict | None, draft, opt, steps: int, progress: bool) -> int:
+    """Load the training state saved at ``state_path`` into ``draft`` and ``opt`` if there is one;
+    returns the step to go on from (0: none). A state saved with other settings is an error."""
+    import torch
+
+    state = _saved_state(state_path, settings)
+    if state is None:
+        return 0
+    draft.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    if progress:
+        print(f"edgespec: resuming the distillation at step {state['step']}/{steps} from {state_path}", file=sys.stderr)
+    return int(state["step"])
+
+
+def _saved_state(state_path: Path, settings: dict | None) -> dict | None:
+    """The training state saved at ``state_path`` (None: none), checked to have ``settings``."""
+    import torch
+
+    if not state_path.is_file():
+        return None
+    try:
+        state = torch.load(state_path, weights_only=True)  # tensors and plain containers only: no code runs
+        saved = state["settings"]
+    except Exception as exc:  # damaged (a crash mid-write leaves the previous state: the write is atomic)
+        raise TrainingError(f"cannot read the saved distillation state {state_path} ({exc}); delete it to start "
+                            "over") from None
+    if saved != settings:
+        changed = sorted(k for k in set(saved or {}) | set(settings or {})
+                         if (saved or {}).get(k) != (settings or {}).get(k))
+        raise InvalidArgumentError(
+            f"{state_path} holds an interrupted distillation with other settings ({', '.join(changed)}: "
+            + "; ".join(f"{k} {(saved or {}).get(k)!r} there, {(settings or {}).get(k)!r} now" for k in changed[:3])
+            + "); run it with its settings to resume it, or delete that file to start this one over")
+    return state
 
 
 def _check_training_args(mode, steps, batch_size, eval_windows, pool_size, seed, lr, generated) -> None:
@@ -463,7 +512,8 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
             corpus: Sequence[os.PathLike | str] | None = None, steps: int = 300, batch_size: int = 16,
             context: int | None = None, lr: float = 3e-3, mode: str = "mix", generated: float = 0.0,
             pool_size: int = 512, init: os.PathLike | str | None = None, baseline: bool = False,
-            eval_windows: int = 64, seed: int = 0, overwrite: bool = False, progress: bool = True) -> dict:
+            eval_windows: int = 64, seed: int = 0, overwrite: bool = False, progress: bool = True,
+            checkpoint_every: int = 50) -> dict:
     """Distil a draft from ``target`` into ``out`` (an HF checkpoint with the target's tokenizer) and
     return the report (also written to ``out/distill.json``). ``generated`` is the fraction of each
     batch taken from a pool of ``pool_size`` continuations the target writes of corpus prefixes, half
@@ -471,7 +521,9 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     alone, with the same steps and windows, and reports its alpha. Alpha is reported on held-out
     corpus windows and on the target's own continuations of held-out prefixes (what decoding sees).
     ``init`` continues a draft checkpoint in its own shape; ``layers`` above its count grows it first
-    (:func:`grow_layers`)."""
+    (:func:`grow_layers`). Every ``checkpoint_every`` steps (0: never) the training state is saved
+    beside ``out`` (``.<name>.distill-state.pt``); the same call run again after an interruption
+    resumes from it, and it is deleted once the draft is written."""
     from .corpus import encode_docs, load_documents
     from .pair import _check_int, heldout_windows, new_llama, validation_loss
 
@@ -559,6 +611,11 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                                      "intermediate": draft_size.intermediate,
                                      **({} if draft_size.kv_heads is None else {"kv_heads": draft_size.kv_heads})}}
     report["target_val_loss"] = round(validation_loss(tmodel, windows), 4)
+    state_path = out_dir.with_name(f".{out_dir.name}.distill-state.pt")
+    settings = {k: report.get(k) for k in ("target", "mode", "steps", "batch_size", "context", "lr", "generated_fraction",
+                                           "pool_size", "seed", "corpus", "init", "init_layers", "draft_config",
+                                           "target_val_loss")}  # (the target's loss: other weights at the same path)
+    _saved_state(state_path, settings)  # an interrupted run with other settings: said before the minutes below
     common = dict(vocab_size=vocab, context=ctx, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                   special_ids=special, progress=progress)
     if init_model is None:
@@ -586,8 +643,15 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     import copy
 
     start = copy.deepcopy(before)
-    draft = train_draft(tmodel, train_ids, draft_size, mode=mode, generated=generated, pool=pool, init=start,
-                        desc="distill", **common)
+    try:
+        draft = train_draft(tmodel, train_ids, draft_size, mode=mode, generated=generated, pool=pool, init=start,
+                            desc="distill", state_path=state_path, checkpoint_every=checkpoint_every,
+                            settings=settings, **common)
+    except KeyboardInterrupt:
+        if state_path.is_file():
+            print(f"edgespec: the distillation so far is saved in {state_path}; run the same command again to resume "
+                  "from it (delete that file to start over)", file=sys.stderr)
+        raise
     report["draft_params"] = sum(p.numel() for p in draft.parameters())
     report["alpha_after"] = alphas(draft)
     report["alpha_on_target_after"] = alphas_on_target(draft)
@@ -603,6 +667,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
 
     draft.generation_config.pad_token_id = special["pad_token_id"]
     _write_draft(draft, report, target_dir, out_dir, overwrite)
+    state_path.unlink(missing_ok=True)
     return report
 
 
@@ -639,6 +704,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-windows", type=at_least(1), default=64,
                         help="held-out windows alpha and the validation loss are measured on (default 64)")
     parser.add_argument("--seed", type=at_least(0), default=0)
+    parser.add_argument("--checkpoint-every", type=at_least(0), default=50, metavar="N",
+                        help="save the training state every N steps beside --out (default 50; 0: never); the same "
+                             "command run again after an interruption resumes from it")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier distilled draft at --out (only one that holds nothing else)")
     parser.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true", help="no progress bars on stderr")
@@ -653,7 +721,7 @@ def run(args: argparse.Namespace) -> int:
                 context=args.context, lr=args.lr, mode=args.mode, generated=args.generated,
                 pool_size=512 if args.pool_size is None else args.pool_size, init=args.init,
                 baseline=args.baseline, eval_windows=args.eval_windows, seed=args.seed, overwrite=args.overwrite,
-                progress=not args.no_progress)
+                progress=not args.no_progress, checkpoint_every=args.checkpoint_every)
     print(f"draft: {args.out} ({r['draft_params'] / 1e6:.2f}M params, {r['steps']} steps, mode {r['mode']})")
     print("  alpha on held-out corpus windows / on the target's own continuations of held-out prefixes:")
     for label in ("before", "after"):

@@ -403,3 +403,40 @@ def test_distill_from_init_keeps_its_shape_and_grows(target, corpus, tmp_path):
     with pytest.raises(OutputExistsError, match=r"also holds what this command did not write \(notes.txt\)"):
         distill(target, tmp_path / "a", overwrite=True, **kw)
     assert (tmp_path / "a" / "notes.txt").read_text() == "mine" and (tmp_path / "a" / "distill.json").exists()
+
+
+def test_an_interrupted_distillation_resumes_where_it_stopped(target, corpus, tmp_path, monkeypatch, capsys):
+    """The training state is saved beside --out every --checkpoint-every steps; after an interruption
+    the same call resumes from it and ends with the weights an uninterrupted run has (every batch is
+    a function of the seed and the step), then deletes it. A state saved with other settings is an
+    error that names them, not a silent restart."""
+    import edgespec.pair as pair
+    from safetensors.numpy import load_file
+
+    kw = dict(hidden=16, layers=1, heads=1, intermediate=32, corpus=corpus, steps=6, batch_size=4, eval_windows=2,
+              generated=0.5, pool_size=3, checkpoint_every=2, progress=False)
+    distill(target, tmp_path / "whole", **kw)
+    real, calls = pair.optimizer_step, []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == 5:        # during the fifth step, after the state of step 4 was saved
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(pair, "optimizer_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, tmp_path / "d", **kw)
+    state = tmp_path / ".d.distill-state.pt"
+    assert state.is_file() and not (tmp_path / "d").exists()
+    assert "run the same command again to resume" in capsys.readouterr().err
+    with pytest.raises(InvalidArgumentError, match=r"other settings \(steps: steps 6 there, 8 now\).*delete that file"):
+        distill(target, tmp_path / "d", **{**kw, "steps": 8})
+    monkeypatch.setattr(pair, "optimizer_step", real)
+    calls.clear()
+    monkeypatch.setattr(pair, "optimizer_step", lambda *a: (calls.append(1), real(*a))[1])
+    distill(target, tmp_path / "d", **{**kw, "progress": True})
+    assert len(calls) == 2 and "resuming the distillation at step 4/6" in capsys.readouterr().err
+    assert not state.exists()
+    whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "d" / "model.safetensors")
+    assert whole.keys() == resumed.keys() and all((whole[k] == resumed[k]).all() for k in whole)
