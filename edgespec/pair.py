@@ -442,8 +442,8 @@ DISTILL_MODE = "mix"
 
 def _distill_draft(p: PairPreset, target, corpus_info: dict, train_ids, val_windows, special_ids: dict, seed: int,
                    work: Path, hf_tok, progress: bool, callback: Callable[[str, int], None] | None) -> dict:
-    """Distil the corpus-trained draft (``work/draft-corpus``) on ``target`` into ``work/draft``.
-    A minute on the quick pair, so an interrupted distillation starts over (from the corpus draft)."""
+    """Distil the corpus-trained draft (``work/draft-corpus``) on ``target`` into ``work/draft``,
+    resuming an interrupted distillation from its saved state (``work/draft-distill.state.pt``)."""
     final, info_path = work / "draft", work / "draft.json"
     if final.is_dir() and info_path.is_file():  # finished in an earlier (interrupted) run
         return json.loads(info_path.read_text())
@@ -452,13 +452,16 @@ def _distill_draft(p: PairPreset, target, corpus_info: dict, train_ids, val_wind
     from .distill import target_pool, train_draft
 
     t0 = time.perf_counter()
+    state = work / "draft-distill.state.pt"  # (the work folder is this recipe's, seed and corpus included)
     draft = LlamaForCausalLM.from_pretrained(work / "draft-corpus", use_safetensors=True)
     pool = target_pool(target, train_ids, p.draft_distill_pool, p.context, seed, progress=progress)  # [pool, context + 1]
     draft = train_draft(target, train_ids, p.draft, vocab_size=int(target.config.vocab_size), context=p.context,
                         steps=p.draft_distill_steps, batch_size=p.batch_size, lr=p.draft_lr, mode=DISTILL_MODE,
                         seed=seed, special_ids=special_ids, generated=DISTILL_GENERATED, pool=pool, init=draft,
                         progress=progress, desc="distill draft on the target",
-                        on_step=None if callback is None else (lambda step: callback("draft", step)))
+                        on_step=None if callback is None else (lambda step: callback("draft", step)),
+                        state_path=state, checkpoint_every=p.checkpoint_every,
+                        settings={"steps": p.draft_distill_steps, "pool": p.draft_distill_pool, "seed": seed})
     seconds = time.perf_counter() - t0
     val = validation_loss(draft, val_windows)
     save_checkpoint(draft, hf_tok, final)
@@ -467,6 +470,7 @@ def _distill_draft(p: PairPreset, target, corpus_info: dict, train_ids, val_wind
                           "pool_size": p.draft_distill_pool, "peak_lr": p.draft_lr,
                           "val_loss_before": corpus_info["val_loss"], "seconds": round(seconds, 2)}}
     write_json(info_path, info)
+    state.unlink(missing_ok=True)
     return info
 
 
