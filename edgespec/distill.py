@@ -528,7 +528,8 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     from .pair import _check_int, heldout_windows, new_llama, validation_loss
 
     t0 = time.perf_counter()
-    target_dir, out_dir = Path(target).expanduser(), Path(out).expanduser()
+    # (absolute and normalised: `--out .` has no name to put the temporary folder and the state beside)
+    target_dir, out_dir = Path(target).expanduser(), Path(os.path.abspath(Path(out).expanduser()))
     _check_training_args(mode, steps, batch_size, eval_windows, pool_size, seed, lr, generated)
     check_output_folder(out_dir, overwrite, "distill.json", "a distilled draft", owned=DRAFT_FILES)
     check_writable(out_dir)

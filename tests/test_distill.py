@@ -440,3 +440,15 @@ def test_an_interrupted_distillation_resumes_where_it_stopped(target, corpus, tm
     assert not state.exists()
     whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "d" / "model.safetensors")
     assert whole.keys() == resumed.keys() and all((whole[k] == resumed[k]).all() for k in whole)
+
+
+def test_distill_into_the_current_folder(target, corpus, tmp_path, monkeypatch):
+    """`--out .` (an empty current folder) has no name to put the temporary folder and the saved
+    state beside: it was a ValueError traceback. The path is made absolute first."""
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert main(["distill", "--target", str(target), "--out", ".", "--hidden", "16", "--layers", "1", "--heads", "1",
+                 "--intermediate", "32", "--steps", "1", "--batch-size", "2", "--eval-windows", "1", "--no-progress",
+                 "--checkpoint-every", "1", "--corpus", *map(str, corpus)]) == 0
+    assert (here / "distill.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
