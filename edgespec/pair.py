@@ -693,7 +693,7 @@ def _train_pair_locked(p: PairPreset, c, dest: Path, work: Path, ident: dict, se
         }
         check_swap(dest, overwrite, "pair.json", "a trained pair", owned=PAIR_FILES)  # refused now: the work folder still resumes
         for name in ("identity.json", "tokenizer.json", "target.json", "draft.json", "target.state.pt", "draft.state.pt",
-                     "draft-corpus.json", "draft-corpus.state.pt"):
+                     "draft-corpus.json", "draft-corpus.state.pt", "draft-distill.state.pt"):
             (work / name).unlink(missing_ok=True)
         if (work / "draft-corpus").is_dir():  # (the distilled draft's start, in draft/ now)
             shutil.rmtree(work / "draft-corpus")
