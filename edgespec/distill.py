@@ -409,9 +409,11 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
             bar.set_postfix({k: f"{v:.3f}" for k, v in post.items()}, refresh=False)  # update() draws, at its own pace
             bar.update(1)
             history.append(post)
-            if state_path is not None and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            if state_path is not None and checkpoint_every and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
                 # Every batch is a function of (seed, step) and nothing else draws from an RNG, so a
                 # resumed run computes the same steps as an uninterrupted one (bit for bit on one machine).
+                # The last step's state too: a run stopped in what follows (the measurements, a
+                # --baseline draft: minutes on a large target) then does not train again.
                 _atomic_torch_save({"settings": settings, "step": step + 1, "model": draft.state_dict(),
                                     "optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, state_path)
             if on_step is not None:

@@ -409,7 +409,8 @@ def test_an_interrupted_distillation_resumes_where_it_stopped(target, corpus, tm
     """The training state is saved beside --out every --checkpoint-every steps; after an interruption
     the same call resumes from it and ends with the weights an uninterrupted run has (every batch is
     a function of the seed and the step), then deletes it. A state saved with other settings is an
-    error that names them, not a silent restart."""
+    error that names them, not a silent restart. The last step's state is saved too: stopped after
+    training, the rerun does not train again."""
     import edgespec.pair as pair
     from safetensors.numpy import load_file
 
@@ -440,6 +441,26 @@ def test_an_interrupted_distillation_resumes_where_it_stopped(target, corpus, tm
     assert not state.exists()
     whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "d" / "model.safetensors")
     assert whole.keys() == resumed.keys() and all((whole[k] == resumed[k]).all() for k in whole)
+    # stopped after training (here in the measurements that follow it): the rerun does not train again
+    real_validation = pair.validation_loss
+    seen = []
+
+    def stop_after_training(model, windows):
+        seen.append(1)
+        if len(seen) == 2:          # the target's loss, then the trained draft's
+            raise KeyboardInterrupt
+        return real_validation(model, windows)
+
+    monkeypatch.setattr(pair, "validation_loss", stop_after_training)
+    every4 = {**kw, "checkpoint_every": 4}     # saved at step 4, and at the last step, 6
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, tmp_path / "e", **every4)
+    monkeypatch.setattr(pair, "validation_loss", real_validation)
+    calls.clear()
+    distill(target, tmp_path / "e", **{**every4, "progress": True})
+    assert calls == [] and "resuming the distillation at step 6/6" in capsys.readouterr().err
+    after = load_file(tmp_path / "e" / "model.safetensors")
+    assert all((whole[k] == after[k]).all() for k in whole)
 
 
 def test_distill_into_the_current_folder(target, corpus, tmp_path, monkeypatch):
