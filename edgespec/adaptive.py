@@ -36,8 +36,8 @@ _FORGET = 0.995   # per-round decay of the acceptance counts: follows drifting t
 # worth. Each bin used to start from Beta(1, 1) on its own (two drafts at 0.5 per bin, twenty in the
 # mean): over its first 96 tokens a fresh policy then drafted 3.6-3.7 tokens a round where 5 was
 # best, and a call with a policy of its own (a seeded sampled call, the first calls of an engine)
-# ran at 0.80 of static gamma 5 at T=0 and 0.85-0.86 at T=1 on the quick pair; 0.875 and 0.870 now
-# (benchmarks/README, "Session 31").
+# ran at 0.80 of static gamma 5 at T=0 and 0.85-0.86 at T=1 on the quick pair; 0.875 and 0.870
+# with this prior (benchmarks/README, "Session 31"; see _WARM_LENGTH for what came after).
 _PRIOR_SEEN = 2.0
 _SHRINK = 2.0
 _FORGET_TIME = 0.98  # per-round decay of the time fits (draft and target)

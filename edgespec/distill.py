@@ -356,14 +356,15 @@ def _generated_rows(batch_size: int, generated: float) -> int:
 def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps: int, batch_size: int, lr: float,
                 mode: str | None, seed: int, special_ids: dict, generated: float = 0.0, pool=None, init=None,
                 progress: bool = True, desc: str = "distill", on_step: Callable[[int], None] | None = None,
-                state_path: Path | None = None, checkpoint_every: int = 0, settings: dict | None = None):
+                state_path: Path | None = None, checkpoint_every: int = 0, settings: dict | None = None,
+                resume: dict | None = None):
     """Train a Llama draft. ``mode=None`` is the corpus-only baseline (cross-entropy on the same
     windows); otherwise the draft matches the target's distributions with the given loss. With
     ``generated > 0`` that fraction of each batch is rows of ``pool`` ``[N, context + 1]`` (the
     target's continuations, see :func:`continuations`). ``on_step(n)`` runs after the n-th step.
-    With ``state_path``, the training state (weights, optimizer, step) is saved there every
-    ``checkpoint_every`` steps, and a state found there is resumed if it was saved with the same
-    ``settings`` (the caller deletes it once the draft is written)."""
+    With ``state_path``, the training state (weights, optimizer, step, ``settings``) is saved there
+    every ``checkpoint_every`` steps and after the last one (the caller deletes it once the draft is
+    written); ``resume`` is such a state, as :func:`saved_state` loads and checks it, to go on from."""
     import torch
     import torch.nn.functional as F
     from tqdm.auto import tqdm
@@ -383,7 +384,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     n_gen = _generated_rows(batch_size, generated) if mode is not None else 0
     if n_gen and (pool is None or pool.shape[1] != context + 1):
         raise InvalidArgumentError(f"generated > 0 needs a pool of target continuations [N, {context + 1}]")
-    first = _resume(state_path, settings, draft, opt, steps, progress) if state_path is not None else 0
+    first = 0 if resume is None else _resume(resume, draft, opt, steps, progress, state_path)
     draft.train()
     target.eval()
     history = []
@@ -422,24 +423,24 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     return draft
 
 
-def _resume(state_path: Path, settings: dict | None, draft, opt, steps: int, progress: bool) -> int:
-    """Load the training state saved at ``state_path`` into ``draft`` and ``opt`` if there is one;
-    returns the step to go on from (0: none). A state saved with other settings is an error."""
+def _resume(state: dict, draft, opt, steps: int, progress: bool, where: Path | None) -> int:
+    """Load a saved training state into ``draft`` and ``opt``; returns the step to go on from. The
+    dict is emptied (the caller's reference no longer holds a copy of the weights and moments)."""
     import torch
 
-    state = _saved_state(state_path, settings)
-    if state is None:
-        return 0
     draft.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
+    step = int(state["step"])
+    state.clear()
     if progress:
-        print(f"edgespec: resuming the distillation at step {state['step']}/{steps} from {state_path}", file=sys.stderr)
-    return int(state["step"])
+        print(f"edgespec: resuming the distillation at step {step}/{steps} from {where}", file=sys.stderr)
+    return step
 
 
-def _saved_state(state_path: Path, settings: dict | None) -> dict | None:
-    """The training state saved at ``state_path`` (None: none), checked to have ``settings``."""
+def saved_state(state_path: Path, settings: dict) -> dict | None:
+    """The training state train_draft saved at ``state_path`` (None: none), checked to have been
+    saved with ``settings``: another run's state is an error that names what differs."""
     import torch
 
     if not state_path.is_file():
@@ -447,15 +448,16 @@ def _saved_state(state_path: Path, settings: dict | None) -> dict | None:
     try:
         state = torch.load(state_path, weights_only=True)  # tensors and plain containers only: no code runs
         saved = state["settings"]
+        if not isinstance(saved, dict):
+            raise TypeError(f"settings are a {type(saved).__name__}")
     except Exception as exc:  # damaged (a crash mid-write leaves the previous state: the write is atomic)
         raise TrainingError(f"cannot read the saved distillation state {state_path} ({exc}); delete it to start "
                             "over") from None
     if saved != settings:
-        changed = sorted(k for k in set(saved or {}) | set(settings or {})
-                         if (saved or {}).get(k) != (settings or {}).get(k))
+        changed = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
         raise InvalidArgumentError(
             f"{state_path} holds an interrupted distillation with other settings ({', '.join(changed)}: "
-            + "; ".join(f"{k} {(saved or {}).get(k)!r} there, {(settings or {}).get(k)!r} now" for k in changed[:3])
+            + "; ".join(f"{k} {saved.get(k)!r} there, {settings.get(k)!r} now" for k in changed[:3])
             + "); run it with its settings to resume it, or delete that file to start this one over")
     return state
 
@@ -618,7 +620,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     settings = {k: report.get(k) for k in ("target", "mode", "steps", "batch_size", "context", "lr", "generated_fraction",
                                            "pool_size", "seed", "corpus", "init", "init_layers", "draft_config",
                                            "target_val_loss")}  # (the target's loss: other weights at the same path)
-    _saved_state(state_path, settings)  # an interrupted run with other settings: said before the minutes below
+    resume = saved_state(state_path, settings)  # (loaded once; another run's state is refused before the minutes below)
     common = dict(vocab_size=vocab, context=ctx, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                   special_ids=special, progress=progress)
     if init_model is None:
@@ -649,7 +651,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     try:
         draft = train_draft(tmodel, train_ids, draft_size, mode=mode, generated=generated, pool=pool, init=start,
                             desc="distill", state_path=state_path, checkpoint_every=checkpoint_every,
-                            settings=settings, **common)
+                            settings=settings, resume=resume, **common)
     except KeyboardInterrupt:
         if state_path.is_file():
             print(f"edgespec: the distillation so far is saved in {state_path}; run the same command again to resume "

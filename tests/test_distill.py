@@ -436,8 +436,13 @@ def test_an_interrupted_distillation_resumes_where_it_stopped(target, corpus, tm
     monkeypatch.setattr(pair, "optimizer_step", real)
     calls.clear()
     monkeypatch.setattr(pair, "optimizer_step", lambda *a: (calls.append(1), real(*a))[1])
+    import torch
+
+    loads, real_load = [], torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: (loads.append(a[0]), real_load(*a, **k))[1])
     distill(target, tmp_path / "d", **{**kw, "progress": True})
     assert len(calls) == 2 and "resuming the distillation at step 4/6" in capsys.readouterr().err
+    assert loads == [state]                # read once: checked early, then resumed from
     assert not state.exists()
     whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "d" / "model.safetensors")
     assert whole.keys() == resumed.keys() and all((whole[k] == resumed[k]).all() for k in whole)
