@@ -16,7 +16,10 @@ at T > 0 too, and the ratio is what the policies' work costs, apart from their c
 ``--fresh`` each call gets a new policy on each side, as a one-shot `edgespec generate`, an engine's
 first call or a seeded sampled call does: what the policies do before they have learned the pair.
 With ``--static G`` the other side is static gamma G instead of a revision's policy (with ``--fresh``:
-what a call with a new policy costs against the static gamma a sweep found best).
+what a call with a new policy costs against the static gamma a sweep found best). With ``--draft
+lookahead`` both sides draft with the lookahead drafter (one each), as `edgespec bench --draft
+lookahead` does; a revision whose policy hands its worker no rule for the next round (before
+``AdaptiveGamma.ahead``) then has it draft gamma + 1 tokens, as that revision did.
 """
 from __future__ import annotations
 
@@ -106,15 +109,16 @@ def add_stalls(backend, per_second: float, rng: np.random.Generator) -> None:
 
 
 def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tokens: int, max_gamma: int = 8,
-        stalls: float = 0.0, work: int = 0, fresh: bool = False, static: int = 0):
+        stalls: float = 0.0, work: int = 0, fresh: bool = False, static: int = 0, drafter: str = "model"):
     """Per repeat: tokens/s of plain decoding and of both policies, and each policy's plain-step share
     (``work`` > 0: both policies' choices overridden, that many drafts every round; ``fresh``: a new
     policy for every call; ``static`` > 0: the other side drafts that many every round, no policy,
-    and ``against`` is not read)."""
+    and ``against`` is not read; ``drafter``: "model" or "lookahead", a drafter of its own per side)."""
     import edgespec
     from edgespec.adaptive import AdaptiveGamma
     from edgespec.bundle import load_bundle
     from edgespec.config import GenerationConfig, SamplingConfig
+    from edgespec.drafters import LookaheadDrafter
     from edgespec.loop import generate
 
     load_bundle(Path(bundle))  # a missing bundle is reported first, before the note about the revision
@@ -137,6 +141,9 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
     cfg = GenerationConfig(max_new_tokens=max_new_tokens, gamma=None, max_gamma=max_gamma,
                            sampling=SamplingConfig(temperature=temperature))
     side_cfg = {"plain": cfg, "this": cfg, "other": replace(cfg, gamma=static) if static else cfg}
+    drafters = {"plain": None, "this": eng.draft, "other": eng.draft}
+    if drafter == "lookahead":  # one each: a worker's drafts belong to its side's last round
+        drafters.update(this=LookaheadDrafter(eng.draft), other=LookaheadDrafter(eng.draft))
     rows = []
     for rep in range(repeats + 1):
         tally = {k: [0, 0.0, 0] for k in ("plain", "this", "other")}  # tokens, seconds, plain steps
@@ -147,7 +154,7 @@ def run(bundle: str, against: str, temperature: float, repeats: int, max_new_tok
                 t0 = time.perf_counter()
                 policy = make[side]() if fresh and side != "plain" else policies.get(side)
                 res = generate(eng.target, ids, side_cfg[side], np.random.default_rng(1000 * rep + i),
-                               draft=None if side == "plain" else eng.draft, policy=policy)
+                               draft=drafters[side], policy=policy)
                 tally[side][0] += res.stats.emitted
                 tally[side][1] += time.perf_counter() - t0
                 tally[side][2] += res.stats.plain_steps
@@ -173,20 +180,24 @@ def main(argv=None) -> int:
                     help="a new policy for every call on both sides (before they have learned the pair)")
     ap.add_argument("--static", type=at_least(1, 8), default=0, metavar="G",
                     help="the other side is static gamma G (at most 8), not a revision's policy (--against is not read)")
+    ap.add_argument("--draft", choices=("model", "lookahead"), default="model",
+                    help="the drafter of both sides (default model; lookahead: one each, the draft model drafting "
+                         "on a second thread while the target verifies)")
     args = ap.parse_args(argv)
     if not 0 <= args.stalls < math.inf:
         ap.error("--stalls must be finite and >= 0")
     if args.static and args.work:
         ap.error("--static and --work exclude each other (--work overrides both sides' policies)")
     rows = run(args.bundle, args.against, args.temperature, args.repeats, args.max_new_tokens, stalls=args.stalls,
-               work=args.work, fresh=args.fresh, static=args.static)
+               work=args.work, fresh=args.fresh, static=args.static, drafter=args.draft)
     other = f"gamma {args.static}" if args.static else args.against
     ratio = np.array([r["this"]["tokens_per_s"] / r["other"]["tokens_per_s"] for r in rows])
     print(f"T={args.temperature:g}, {len(rows)} repeats, the {len(CODE_PROMPTS)} built-in code prompts x "
           f"{args.max_new_tokens} tokens, 1 thread per model"
           + (f", {STALL_S * 1e3:g} ms stalls injected at {args.stalls:g} per second of model time" if args.stalls else "")
           + (f", both policies' choices overridden: {args.work} drafts every round" if args.work else "")
-          + (", a new policy for every call" if args.fresh else ""))
+          + (", a new policy for every call" if args.fresh else "")
+          + (", the lookahead drafter on both sides" if args.draft == "lookahead" else ""))
     for side in ("plain", "this", "other"):
         rates = " ".join(f"{r[side]['tokens_per_s']:.0f}" for r in rows)
         share = np.median([r[side]["plain_step_share"] for r in rows])

@@ -199,6 +199,15 @@ class _WidthTime(_LinearTime):
                 for k, (n, t) in enumerate(zip(self._n, self._t))]
 
 
+def _rule(keep_going: Callable[[int, float], bool], needs_confidence: bool,
+          ahead: Callable[[], Callable[[int, float], bool]]) -> Callable[[int, float], bool]:
+    def rule(i: int, confidence: float) -> bool:
+        return keep_going(i, confidence)
+    rule.needs_confidence = needs_confidence  # type: ignore[attr-defined]
+    rule.ahead = ahead                        # type: ignore[attr-defined]
+    return rule
+
+
 class AdaptiveGamma:
     """``fixed_costs=(c, s)``: price a draft step at c target steps and a verify call of k tokens at
     1 + s (k - 1) steps instead of measuring them. The decisions then depend only on the run's own
@@ -240,6 +249,10 @@ class AdaptiveGamma:
         # lasts: timed, they made drafting look as fast as plain steps where it was 15% slower.
         self._last: tuple[str, int] = ("", 0)  # ("draft" or "plain", how many in a row)
         self._pending: list[tuple] = []         # drafted rounds not learned yet (see _BATCH)
+        # What start_round hands the drafter, [with_conf]: keep_going, or the same rule marked to be
+        # given NaN (see KeepGoing; a lookahead drafter's reused drafts still come with theirs).
+        # Both carry ``ahead`` (see there).
+        self._rules = (_rule(self.keep_going, False, self.ahead), _rule(self.keep_going, True, self.ahead))
         self._refresh()
 
     # ---------------------------------------------------------------- draft or not
@@ -322,7 +335,7 @@ class AdaptiveGamma:
         self._with_conf = (self._fixed is not None or round_s <= 0.0 or conf_s < _CONF_WORTH * round_s
                            or self._blind + 1 >= _CONF_SAMPLE)
         self._blind = 0 if self._with_conf else self._blind + 1
-        return self.keep_going if self._with_conf else self._keep_going_blind
+        return self._rules[self._with_conf]
 
     def _refresh(self) -> None:
         """Price the next rounds' drafts from what has been learned (only learning changes it)."""
@@ -355,18 +368,27 @@ class AdaptiveGamma:
         """After drafting token i with the given confidence: draft token i + 1?"""
         if i >= self.max_gamma:            # never past its own bound (its verify table ends there)
             return False
-        a = self._keep_prob(confidence)
-        self._prob *= a
+        self._prob *= self._keep_prob(confidence)
         self._expected += self._prob
+        return self._go_on(i, self._prob, self._expected)
+
+    def _go_on(self, i: int, prob: float, expected: float) -> bool:
         if self._rounds <= self._untimed:  # nothing timed yet: a middle length (see _WARM_LENGTH)
             return i < _WARM_LENGTH
-        return self._prob > self._expected * self._bar[i]   # some longer round has the higher rate (_refresh)
+        return prob > expected * self._bar[i]   # some longer round has the higher rate (_refresh)
 
-    def _keep_going_blind(self, i: int, confidence: float) -> bool:
-        # the drafter gives NaN (see KeepGoing), a lookahead drafter's reused drafts their confidence
-        return self.keep_going(i, confidence)
+    def ahead(self) -> Callable[[int, float], bool]:
+        """The next round's keep_going, for a drafter that drafts it while this round is verified
+        (LookaheadDrafter): the same rule on what has been learned so far, with a state of its own."""
+        state = [1.0, 1.0]                 # P(every draft so far kept), E[tokens]: as _prob, _expected
 
-    _keep_going_blind.needs_confidence = False  # type: ignore[attr-defined]
+        def keep_going(i: int, confidence: float) -> bool:
+            if i >= self.max_gamma:
+                return False
+            state[0] *= self._keep_prob(confidence)
+            state[1] += state[0]
+            return self._go_on(i, state[0], state[1])
+        return keep_going
 
     def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float,
                keep: np.ndarray | None = None, confidence_s: float = 0.0) -> None:

@@ -203,7 +203,13 @@ class LookaheadDrafter(ModelDrafter):
             # Uniforms drawn here, in the main thread, so the run's generator is consumed the same
             # way whatever the worker gets done before it is stopped.
             us = iter(rng.random(k).tolist()) if not sampling.greedy else None
-            self._launch((ids[-1:], k, sampling, us, vocab), len(generated) + ids.shape[0])
+            # An adaptive policy's rule for the next round (its drafts are y_2..): the worker stops
+            # where that round would. Drafting on to gamma + 1 made jobs longer than the rounds that
+            # use them, and the second core's work slows the verify call it runs beside (quick pair,
+            # T=1: verify calls 12% dearer; adaptive gamma 0.84 of static gamma 5, see benchmarks/README.md).
+            ahead = getattr(keep_going, "ahead", None)
+            self._launch((ids[-1:], k, sampling, us, vocab, ahead() if ahead is not None else None),
+                         len(generated) + ids.shape[0])
         return ids, q, conf
 
     def next_draft(self) -> tuple[int, np.ndarray] | None:
@@ -289,10 +295,12 @@ def _lookahead_worker(jobs: queue.Queue, done: threading.Event, ref: weakref.ref
         if me is None:
             jobs.task_done()
             return
-        feed, k, sampling, us, vocab = job
+        feed, k, sampling, us, vocab, rule = job
+        # y_1 is drafted in any case (the bonus test); after it, y_{i+1} is the next round's draft i
+        go = always if rule is None else (lambda i, c: i < 2 or rule(i - 1, c))  # noqa: E731
         try:
             me._result = me._draft(feed, k, sampling, us.__next__ if us is not None else None, vocab,
-                                   always, stop=lambda: me._cancel)
+                                   go, stop=lambda: me._cancel)
         except BaseException as e:  # handed to the main thread by _join
             me._result = e
         del me

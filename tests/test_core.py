@@ -737,6 +737,55 @@ def test_an_interrupt_inside_the_lookahead_launch_neither_hangs_nor_overlaps(whe
     look.close()
 
 
+def test_the_lookahead_worker_stops_where_the_next_round_would():
+    """With an adaptive policy, the worker drafts y_1 (the bonus test's) and then the next round's
+    drafts under that round's rule (keep_going's ``ahead``), not gamma + 1 tokens whatever the
+    policy will take: the second core's extra drafts slowed the verify call beside them (quick pair,
+    T=1: adaptive gamma at 0.84 of static gamma 5). Without a rule it drafts gamma + 1."""
+    from edgespec.drafters import LookaheadDrafter
+    rules, asked = [], []
+
+    def two(i, c):              # the next round stops after its second draft
+        asked.append(i)
+        return i < 2
+
+    def keep_going(i, c):
+        return True
+    keep_going.ahead = lambda: rules.append(two) or two
+    _, d = toy_pair(16, 2, 0.3)
+    for rule, made in ((keep_going, 3), (None, 7)):
+        look = LookaheadDrafter(d)
+        look.start(np.array([1, 2]))
+        ids = look.propose([3], 6, SamplingConfig(1.0), np.random.default_rng(0), 16, rule)[0]
+        look.rollback(1 + len(ids))                 # every draft kept: the worker's drafts stand
+        assert len(ids) == 6 and look._ahead[1].shape[0] == made, (rule, look._ahead[1])
+        look.close()
+    assert rules == [two] and asked == [1, 2]       # asked after y_2 (its draft 1) and y_3 (draft 2)
+
+
+def test_adaptive_policy_ahead_rule_is_keep_going_with_a_state_of_its_own():
+    """AdaptiveGamma.ahead(): the next round's rule, decided as keep_going decides a fresh round,
+    while this round's keep_going state is left alone (the worker runs it beside the round)."""
+    from edgespec.adaptive import AdaptiveGamma
+    pol = AdaptiveGamma(8, fixed_costs=(0.05, 0.08))
+    rng = np.random.default_rng(3)
+    for _ in range(60):                               # keep rate rises with the confidence
+        conf = rng.random(6)
+        pol.update(conf, 6, 0.0, 0.0, keep=(conf > 0.3).astype(float))
+    confs = [0.9, 0.9, 0.9, 0.9, 0.9, 0.2, 0.9, 0.9]
+
+    def run(go):
+        return [go(i, c) for i, c in enumerate(confs, start=1)]
+    rule = pol.start_round()
+    want = run(pol.keep_going)
+    assert True in want and False in want, want       # the rule decides both ways on these
+    rule = pol.start_round()
+    assert rule.needs_confidence and callable(rule.ahead)
+    first = rule(1, confs[0])
+    assert run(rule.ahead()) == want                  # a round of its own, in the middle of this one
+    assert [first] + [rule(i, c) for i, c in enumerate(confs[1:], start=2)] == want
+
+
 def test_lookahead_waits_count_as_draft_time():
     """The caller's waits for the lookahead worker are draft time (c), not sampling time."""
     from edgespec.drafters import LookaheadDrafter

@@ -1057,7 +1057,15 @@ def test_policy_ab_runs_this_policy_against_a_revision(tiny_bundle, capsys, monk
     assert rows[0]["other"]["tokens_per_s"] > 0 and len(made) == 1 + 2 * len(pab.CODE_PROMPTS)  # this side's only
     assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--static", "2"]) == 0
     assert "this / gamma 2: median" in capsys.readouterr().out
-    for bad in (["--work", "9"], ["--static", "9"], ["--static", "2", "--work", "2"]):
+    # --draft lookahead: a lookahead drafter per side
+    from edgespec.drafters import LookaheadDrafter
+    looks = []
+    real_look = LookaheadDrafter.__init__
+    monkeypatch.setattr(LookaheadDrafter, "__init__", lambda self, *a: (looks.append(self), real_look(self, *a))[1])
+    assert pab.main([bundle, "--repeats", "1", "--max-new-tokens", "8", "--temperature", "0", "--draft", "lookahead"]) == 0
+    assert "the lookahead drafter on both sides" in capsys.readouterr().out
+    assert len(looks) == 2 and all(d.starts > 0 for d in looks)  # (started by the calls that drafted)
+    for bad in (["--work", "9"], ["--static", "9"], ["--static", "2", "--work", "2"], ["--draft", "ngram"]):
         with pytest.raises(SystemExit):
             pab.main([bundle, *bad])
     with pytest.raises(InvalidArgumentError, match="cannot read edgespec/adaptive.py"):
