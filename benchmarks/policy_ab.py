@@ -71,14 +71,15 @@ def policy_class(revision: str):
 def adapt(cls):
     """``cls`` if this checkout's loop can run it, else a subclass that it can: its update() is
     given only the arguments it takes (a revision before Verdict.keep learns from the drawn outcome,
-    one before confidence_s does not time confidences), and its start_round() returns the round's
-    keep_going (a revision before confidence_s returned nothing)."""
+    one before confidence_s does not time confidences, one before reused fits a lookahead drafter's
+    reused rounds into its draft time), and its start_round() returns the round's keep_going (a
+    revision before confidence_s returned nothing)."""
     takes = inspect.signature(cls.update).parameters
-    if "confidence_s" in takes:
+    if "reused" in takes:
         return cls
 
     class Adapted(cls):
-        def update(self, confidences, n_accepted, draft_s, target_s, keep=None, confidence_s=0.0):
+        def update(self, confidences, n_accepted, draft_s, target_s, keep=None, confidence_s=0.0, reused=False):
             extra = {k: v for k, v in (("keep", keep), ("confidence_s", confidence_s)) if k in takes}
             return super().update(confidences, n_accepted, draft_s, target_s, **extra)
 

@@ -391,18 +391,19 @@ class AdaptiveGamma:
         return keep_going
 
     def update(self, confidences: np.ndarray, n_accepted: int, draft_s: float, target_s: float,
-               keep: np.ndarray | None = None, confidence_s: float = 0.0) -> None:
+               keep: np.ndarray | None = None, confidence_s: float = 0.0, reused: bool = False) -> None:
         """Learn from a finished round: which drafts were examined and kept, and the timings.
         ``keep`` [g]: the test's probability of keeping each draft once the ones before it are
         kept (``Verdict.keep``); with it the policy learns the round's expected outcome instead of
         the one its uniforms drew (n_accepted). ``confidences`` [g] may hold NaN (not computed);
-        ``confidence_s``: the part of ``draft_s`` spent computing them. Once the policy has
-        settled, rounds are learned _BATCH at a time."""
+        ``confidence_s``: the part of ``draft_s`` spent computing them; ``reused``: the drafts were
+        made before the round began (a lookahead drafter's), so ``draft_s`` does not price drafting.
+        Once the policy has settled, rounds are learned _BATCH at a time."""
         conf = np.asarray(confidences, dtype=np.float64).tolist()     # [g] (copied: a drafter may reuse its buffers)
         g = len(conf)
         # [g] the drawn outcome (the first n kept, the next one rejected) unless keep is given
         keep = [float(j < n_accepted) for j in range(g)] if keep is None else np.asarray(keep, dtype=np.float64).tolist()
-        self._pending.append((conf, keep, draft_s, target_s, confidence_s, self._with_conf))
+        self._pending.append((conf, keep, draft_s, target_s, confidence_s, self._with_conf, reused))
         if (len(self._pending) >= _BATCH or not g or self._last[0] == "plain" or self._exploring or self._probe
                 or self._rounds + len(self._pending) <= self._untimed + _MIN_EVIDENCE):
             self._flush()
@@ -416,7 +417,7 @@ class AdaptiveGamma:
             self._refresh()
 
     def _learn(self, conf: list[float], keep: list[float], draft_s: float, target_s: float,
-               confidence_s: float, with_conf: bool) -> None:
+               confidence_s: float, with_conf: bool, reused: bool) -> None:
         g = len(conf)
         # Draft j is examined iff every draft before it is kept: probability reach_j = prod_{i < j}
         # keep_i. Crediting each bin with that probability (seen) and with it times keep_j (kept) is
@@ -452,7 +453,13 @@ class AdaptiveGamma:
             if with_conf and self._fixed is None:
                 self._conf = [self._conf[0] * _SPEC_FORGET + confidence_s,
                               self._conf[1] * _SPEC_FORGET + draft_s + target_s]
-            self._draft_time.add(g, draft_s)
+            if not reused:
+                # A lookahead drafter's reused drafts were made while the last round was verified:
+                # ~0 s here, whatever their number. Fitted with the others, they made the line's
+                # slope a matter of which rounds were reused (intercept -0.16 ms, slope 0.13 ms a
+                # draft against ~0.09 in one quick-pair run) and drafting look cheaper than it is
+                # in the rounds that pay for it.
+                self._draft_time.add(g, draft_s)
             if self._fixed is not None:      # priced in target steps, as start_round does
                 c, slope = self._fixed
                 seconds = c * g + 1.0 + slope * g

@@ -166,9 +166,11 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     conf_s = getattr(drafter, "confidence_s", 0.0)
     # 1. draft: x_1..x_g ~ q autoregressively (g <= gamma; the policy may stop early).
     keep_going = policy.start_round() if policy is not None else None
+    reused = getattr(drafter, "reused_rounds", 0)  # a lookahead drafter's rounds drafted during the last verify
     x, q, conf = drafter.propose(generated, gamma, sampling, rng, vocab, keep_going)  # [g], [g, V], [g]
     g = x.shape[0]
     t1 = time.perf_counter()
+    reused = getattr(drafter, "reused_rounds", 0) != reused
     caught = getattr(drafter, "catch_up_s", 0.0) - caught
     conf_s = getattr(drafter, "confidence_s", 0.0) - conf_s
     t0 += caught  # not drafting: a one-off cost of the plain steps before (stats.catch_up_s)
@@ -210,7 +212,7 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     stats.target_s += t2 - t1
     stats.sample_s += t3 - t2 - waited
     if policy is not None:  # the verify side of a round: the target call and the acceptance test
-        policy.update(conf, n, t1 - t0, t3 - t1, verdict.keep, confidence_s=conf_s)
+        policy.update(conf, n, t1 - t0, t3 - t1, verdict.keep, confidence_s=conf_s, reused=reused)
     tokens = [int(t) for t in x[:n]] + [verdict.token]
     if g == 0:  # the drafter had nothing to propose: this was a plain target step
         # (its lookup time is kept apart: charged to draft_s it raised c, with no draft step

@@ -786,6 +786,35 @@ def test_adaptive_policy_ahead_rule_is_keep_going_with_a_state_of_its_own():
     assert [first] + [rule(i, c) for i, c in enumerate(confs[1:], start=2)] == want
 
 
+def test_reused_lookahead_rounds_do_not_price_drafting():
+    """A round whose drafts the lookahead worker made during the last verify took ~0 s to draft,
+    whatever their number: the policy's draft-time line learns from the other rounds only, and the
+    loop says which rounds were reused."""
+    from edgespec.adaptive import AdaptiveGamma
+    from edgespec.drafters import LookaheadDrafter
+    pol = AdaptiveGamma(8)
+    for g in (2, 4) * 20:
+        pol.update(np.full(g, 0.9), g, draft_s=g * 1e-4, target_s=1e-3)
+    pol._flush()
+    line = pol._draft_time.line()
+    for _ in range(20):
+        pol.update(np.full(6, 0.9), 6, draft_s=1e-6, target_s=1e-3, reused=True)
+    pol._flush()
+    assert pol._draft_time.line() == line and line[1] == pytest.approx(1e-4)
+
+    class Recording(AdaptiveGamma):
+        def update(self, *a, reused=False, **k):
+            flags.append(reused)
+            super().update(*a, reused=reused, **k)
+    flags = []
+    t, d = toy_pair(16, 2, 0.5)
+    look = LookaheadDrafter(d)
+    generate(t, [1, 2, 3], cfg(max_new_tokens=80, gamma=None, sampling=SamplingConfig(1.0)),
+             np.random.default_rng(0), draft=look, policy=Recording(4))
+    look.close()
+    assert 0 < sum(flags) == look.reused_rounds < len(flags), (sum(flags), look.reused_rounds, len(flags))
+
+
 def test_lookahead_waits_count_as_draft_time():
     """The caller's waits for the lookahead worker are draft time (c), not sampling time."""
     from edgespec.drafters import LookaheadDrafter
