@@ -379,7 +379,9 @@ class AdaptiveGamma:
 
     def ahead(self) -> Callable[[int, float], bool]:
         """The next round's keep_going, for a drafter that drafts it while this round is verified
-        (LookaheadDrafter): the same rule on what has been learned so far, with a state of its own."""
+        (LookaheadDrafter): the same rule on what has been learned so far, with a state of its own.
+        It runs on the drafter's worker thread; the policy learns (update) only after the drafter's
+        rollback has waited for that thread, so the tables it reads do not change under it."""
         state = [1.0, 1.0]                 # P(every draft so far kept), E[tokens]: as _prob, _expected
 
         def keep_going(i: int, confidence: float) -> bool:
