@@ -145,13 +145,23 @@ class _Stops(AdaptiveGamma):
 class _Threshold(_Stops):
     """Always drafts, and stops after a draft the draft gave less than 0.5: an early stop that
     engages in every round, from the first (the shipped policy learns first), so that a drafter
-    that asks it about the wrong draft is caught."""
+    that asks it about the wrong draft is caught. A lookahead drafter's worker stops the next
+    round's drafts by the same threshold (``ahead``), counted in ``ahead_stops``."""
+
+    ahead_stops = 0
 
     def draft_next(self) -> bool:
         return True
 
     def _go(self, i: int, confidence: float) -> bool:
         return confidence >= 0.5
+
+    def ahead(self):
+        def keep_going(i: int, confidence: float) -> bool:
+            go = self._go(i, confidence)
+            self.ahead_stops += not go
+            return go
+        return keep_going
 
 
 def test_adaptive_gamma_is_exact():
@@ -236,6 +246,7 @@ def test_lookahead_drafter_is_exact(sampling, adaptive):
                                             policy=policy)
     assert factory(None).reused_rounds > N_SAMPLES // 10, factory(None).reused_rounds
     assert policy is None or policy.stops > N_SAMPLES // 10, policy.stops
+    assert policy is None or policy.ahead_stops > N_SAMPLES // 10, policy.ahead_stops  # workers cut short too
     assert {"accepted", "recovered", "bonus"} <= kinds
     assert_matches_target(target, outs, sampling, "lookahead drafter")
 
