@@ -779,14 +779,15 @@ def load(bundle: str | os.PathLike, providers: Sequence[str] | str = ("cpu",), d
 def _check_load_options(providers, draft_providers, threads, draft_threads, spinning, draft_spinning, load_draft,
                         runtime, platform, huge_pages) -> tuple[int | None, int | None]:
     """load()'s settings, checked before any file is read; returns (threads, draft_threads) as ints."""
-    from .runtimes.onnx_backend import PROVIDER_ALIASES, provider_names
+    from .runtimes.onnx_backend import MAX_THREADS, PROVIDER_ALIASES, provider_names
 
     threads, draft_threads = as_int(threads), as_int(draft_threads)
     for name, v in (("threads", threads), ("draft_threads", draft_threads)):
-        if (v is not None or name == "threads") and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-            raise InvalidArgumentError(f"{name} (CLI --{name.replace('_', '-')}) must be an integer >= 0 "
-                                       f"(0 = ONNX Runtime's default{'' if name == 'threads' else '; None: as the target'}); "
-                                       f"got {v!r}")
+        if (v is not None or name == "threads") and (isinstance(v, bool) or not isinstance(v, int) or not
+                                                     0 <= v <= MAX_THREADS):
+            raise InvalidArgumentError(f"{name} (CLI --{name.replace('_', '-')}) must be an integer from 0 to "
+                                       f"{MAX_THREADS} (0 = ONNX Runtime's default{'' if name == 'threads' else '; None: as the target'}; "
+                                       f"this process may use {usable_cores()} cores); got {v!r}")
     for name, v, optional in (("load_draft", load_draft, False), ("spinning", spinning, True),
                               ("draft_spinning", draft_spinning, True)):
         if not isinstance(v, (bool, np.bool_)) and not (optional and v is None):
@@ -821,10 +822,18 @@ def _warn_oversubscribed(target_cfg, draft_cfg) -> None:
     cores = usable_cores()
     for name, cfg in (("threads", target_cfg), ("draft_threads", draft_cfg)):
         n = cfg.intra_op_threads if cfg is not None else 0
-        if n > cores:  # (a trial: threads=500 on 2 cores loaded in 10 s and generated 20 tokens in 4.5 s, not 10 ms)
+        if n > cores:  # (a trial: threads=500 on 2 cores loaded in 10 s and generated 20 tokens in 4.5 s, not 10 ms;
+            # plain decoding of the quick target, 2 cores: 2218 tok/s with 2 threads, 1257 / 783 / 371 with 3 / 4 / 8
+            # spinning, 1436 / 1261 with 3 / 8 not spinning)
+            spin = cfg.spinning is not False
             warn(f"{name}={n} (CLI --{name.replace('_', '-')}) on a machine where this process may use {cores} "
-                 f"cores: ONNX Runtime starts {n} threads that take turns on them, slower than {cores} threads; use "
-                 f"at most {cores} (0: ONNX Runtime's choice)")
+                 f"cores: ONNX Runtime starts {n} threads that take turns on them"
+                 + (", spin-waiting (the default) for each other, which grows with the count (the quick "
+                    "target on 2 cores: 3 threads 1.8x slower than 2, 8 threads 6x, 500 threads 450x)" if spin
+                    else f", slower than {cores} threads")
+                 + f"; use at most {cores} (0: ONNX Runtime's choice)"
+                 + (f" or turn spin-waiting off ({'' if name == 'threads' else 'draft_'}spinning=False, CLI --no-spin)"
+                    if spin else ""))
 
 
 def _load_tokenizer(root: Path, manifest: BundleManifest, load_draft: bool):

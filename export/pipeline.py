@@ -453,7 +453,7 @@ def _export_bundle(target, out, draft, options: ExportOptions, progress: Callabl
     if draft is not None:
         t, d = roles[contract.ROLE_TARGET], roles[contract.ROLE_DRAFT]
         tok_record = shared_vocab(load_vocab(t.path), load_vocab(d.path),
-                                  _config_rows(t.config), _config_rows(d.config))
+                                  _config_rows(t.config), _config_rows(d.config), from_config=True)
 
     quantized = frozenset(role for role in roles if (options.quantize_target if role == contract.ROLE_TARGET
                                                       else options.quantize_draft) != "none")

@@ -27,18 +27,24 @@ def tokenizer_size(vocab: dict[str, int]) -> int:
     return max(vocab.values(), default=-1) + 1
 
 
-def check_model_covers_tokenizer(vocab: dict[str, int], model_vocab: int | None, role: str) -> None:
+def check_model_covers_tokenizer(vocab: dict[str, int], model_vocab: int | None, role: str,
+                                 from_config: bool = False) -> None:
+    """``from_config``: ``model_vocab`` is config.json's vocab_size (before the weights are loaded),
+    which may be what is wrong."""
     size = tokenizer_size(vocab)
     if model_vocab is not None and size > model_vocab:  # (None: not known yet)
         raise TokenizerMismatchError(
-            f"the {role} tokenizer has ids up to {size - 1} but the model has only {model_vocab} embedding rows; "
-            "use the tokenizer that was trained with this model"
+            f"the {role} tokenizer has ids up to {size - 1} but the model has only {model_vocab} embedding rows"
+            + (" (its config.json's vocab_size)" if from_config else "")
+            + "; use the tokenizer that was trained with this model"
+            + (", or correct vocab_size in config.json if the weights have more rows" if from_config else "")
         )
 
 
 def shared_vocab(target_vocab: dict[str, int], draft_vocab: dict[str, int], target_rows: int | None,
-                 draft_rows: int | None) -> dict:
-    """Return the compatibility record for the manifest, or raise TokenizerMismatchError."""
+                 draft_rows: int | None, from_config: bool = False) -> dict:
+    """Return the compatibility record for the manifest, or raise TokenizerMismatchError
+    (``from_config``: the rows are the configs' vocab_size, see check_model_covers_tokenizer)."""
     if target_vocab != draft_vocab:
         t_items, d_items = set(target_vocab.items()), set(draft_vocab.items())
         only_t = sorted(t_items - d_items, key=lambda kv: kv[1])[:5]
@@ -50,8 +56,8 @@ def shared_vocab(target_vocab: dict[str, int], draft_vocab: dict[str, int], targ
             "tokenizer: pick a draft from the same model family (or distill one with `edgespec distill`)"
         )
     size = tokenizer_size(target_vocab)
-    check_model_covers_tokenizer(target_vocab, target_rows, "target")
-    check_model_covers_tokenizer(draft_vocab, draft_rows, "draft")
+    check_model_covers_tokenizer(target_vocab, target_rows, "target", from_config)
+    check_model_covers_tokenizer(draft_vocab, draft_rows, "draft", from_config)
     if target_rows is None or draft_rows is None:  # (before the export, rows not known: the checks only)
         return {"identical_token_to_id_mapping": True, "tokenizer_size": size}
     return {

@@ -121,6 +121,9 @@ def resolve_providers(names: Sequence[str] | str) -> tuple[str, ...]:
     return tuple(out)
 
 
+MAX_THREADS = 4096  # intra-op threads per session (ONNX Runtime takes an int32; a bigger count crashed its binding)
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """How one model's ONNX Runtime sessions are built. Target and draft may differ."""
@@ -132,8 +135,9 @@ class SessionConfig:
 
     def __post_init__(self) -> None:
         t = self.intra_op_threads
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise InvalidArgumentError(f"threads must be an integer >= 0 (0 = ONNX Runtime default); got {t!r}")
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= MAX_THREADS:
+            raise InvalidArgumentError(f"threads must be an integer from 0 to {MAX_THREADS} (0 = ONNX Runtime default); "
+                                       f"got {t!r}")
         if not isinstance(self.huge_pages, bool):
             raise InvalidArgumentError(f"huge_pages must be True or False (CLI: --no-huge-pages for False); "
                                        f"got {self.huge_pages!r}")
@@ -458,8 +462,10 @@ class OnnxDecoderBackend(_PositionCache):
                        required_outputs=(contract.LOGITS, *self._present))
         if not static and contract.POSITION_IDS not in names and model.model_type in POSITION_IDS_MODEL_TYPES:
             raise BundleError(
-                f"{path}: the graph has no {contract.POSITION_IDS} input, but {model.model_type} graphs written by "
-                "`edgespec export` take one; this file was not made by edgespec: re-export the bundle")
+                f"{path}: the graph has no {contract.POSITION_IDS} input, but the {model.model_type} graphs "
+                f"`edgespec export` writes with kv_layout {model.kv_layout!r} (the manifest's; the default where it is "
+                f"absent) take one. Either the manifest lost this model's kv_layout (a graph written with kv_layout "
+                f"{contract.KV_STATIC!r} takes none) or the file was not made by edgespec: re-export the bundle")
         self._has_mask = contract.ATTENTION_MASK in names
         self._has_pos = contract.POSITION_IDS in names
         self._dtype = _float_type(self._sess, self._past[0])

@@ -289,10 +289,11 @@ def test_load_errors(tmp_path, bundle_copy, tiny_bundle):
     for kwargs, needle in (({"load_draft": "no"}, "load_draft must be True or False"),
                            ({"spinning": "no"}, "spinning must be True or False (or None"),
                            ({"draft_spinning": 1}, "draft_spinning must be True or False"),
-                           ({"threads": None}, "threads (CLI --threads) must be an integer >= 0 (0 = ONNX Runtime's default)"),
-                           ({"threads": -1}, "threads (CLI --threads) must be an integer >= 0"),
-                           ({"draft_threads": 1.5}, "draft_threads (CLI --draft-threads) must be an integer >= 0 (0 = "
-                                                    "ONNX Runtime's default; None: as the target)"),
+                           ({"threads": None}, "threads (CLI --threads) must be an integer from 0 to 4096 (0 = ONNX "
+                                               "Runtime's default; this process may use"),
+                           ({"threads": -1}, "threads (CLI --threads) must be an integer from 0 to 4096"),
+                           ({"draft_threads": 1.5}, "draft_threads (CLI --draft-threads) must be an integer from 0 to "
+                                                    "4096 (0 = ONNX Runtime's default; None: as the target;"),
                            ({"providers": None}, "providers must be provider names in order"),
                            ({"providers": 5}, "providers must be provider names"),
                            ({"draft_providers": 5}, "draft_providers must be provider names"),
@@ -339,8 +340,16 @@ def test_public_names_and_thread_oversubscription(tiny_bundle):
     import edgespec
 
     cores = len(os.sched_getaffinity(0))
-    with pytest.warns(edgespec.EdgeSpecWarning, match=f"threads={cores + 1} .CLI --threads. on a machine"):
+    with pytest.warns(edgespec.EdgeSpecWarning, match=f"threads={cores + 1} .CLI --threads. on a machine") as seen:
         eng = edgespec.load(tiny_bundle("llama"), threads=cores + 1)
+    assert "spin-waiting (the default)" in str(seen[0].message) and "spinning=False, CLI --no-spin" in str(seen[0].message)
+    with pytest.warns(edgespec.EdgeSpecWarning) as seen:
+        edgespec.load(tiny_bundle("llama"), threads=cores + 1, spinning=False)
+    assert "spin" not in str(seen[0].message)
+    from edgespec.runtimes.onnx_backend import MAX_THREADS
+    for kw in ({"threads": 2**40}, {"draft_threads": MAX_THREADS + 1}):  # ORT's binding took a TypeError
+        with pytest.raises(edgespec.InvalidArgumentError, match=f"from 0 to {MAX_THREADS}"):
+            edgespec.load(tiny_bundle("llama"), **kw)
     with warnings.catch_warnings():
         warnings.simplefilter("error", edgespec.EdgeSpecWarning)
         edgespec.load(tiny_bundle("llama"), threads=cores, draft_threads=1)

@@ -584,6 +584,21 @@ def test_incompatible_tokenizers(tiny_checkpoints, tmp_path, capsys):
     assert _nothing_written(tmp_path / "o")
 
 
+def test_a_draft_config_with_too_few_rows_is_blamed_on_its_config(tiny_checkpoints, tmp_path):
+    """Before the weights are loaded, a pair's rows come from the configs' vocab_size: a config that
+    says fewer rows than the tokenizer has ids is named as what may be wrong, not only the tokenizer."""
+    target, draft = tiny_checkpoints("gpt2")
+    bad = tmp_path / "draft"
+    shutil.copytree(draft, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["vocab_size"] = 10
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TokenizerMismatchError, match=r"only 10 embedding rows \(its config.json's vocab_size\); use the "
+                       r"tokenizer that was trained with this model, or correct vocab_size in config.json"):
+        export_bundle(target, tmp_path / "o", draft=bad, progress=None)
+    assert _nothing_written(tmp_path / "o")
+
+
 def test_validation_over_tolerance_fails_and_leaves_nothing(tiny_checkpoints, tmp_path, monkeypatch, capsys):
     from edgespec.export import validate
 

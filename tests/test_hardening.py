@@ -159,6 +159,14 @@ def test_bad_settings_api_and_cli(engine, tiny_bundle, capsys, kwargs, argv, nee
         cli_fails(gen_argv(tiny_bundle("gpt2"), *argv), capsys, needle)
 
 
+def test_thread_counts_beyond_the_limit_are_refused(tiny_bundle, capsys):
+    """A count ONNX Runtime's binding cannot take (int32) was a TypeError traceback."""
+    from edgespec.runtimes.onnx_backend import MAX_THREADS
+    for opt in ("--threads", "--draft-threads"):
+        cli_fails(gen_argv(tiny_bundle("gpt2"), opt, "3000000000"), capsys, f"must be an integer from 0 to {MAX_THREADS}")
+    cli_fails(["bench", tiny_bundle("gpt2"), "--threads", "3000000000"], capsys, f"from 0 to {MAX_THREADS}")
+
+
 def test_non_integer_top_k_on_the_command_line_is_a_usage_error(tiny_bundle, capsys):
     with pytest.raises(SystemExit) as info:  # argparse: exit 2 with a usage line, no traceback
         main(gen_argv(tiny_bundle("gpt2"), "--top-k", "2.5"))
@@ -491,6 +499,8 @@ def test_draft_with_a_different_tokenizer_in_the_bundle(bundle_copy, capsys):
     (lambda d: d["models"]["target"].update(dtype="fp8"), "target.dtype must be one of"),
     (lambda d: d.update(format="other"), "format is 'other'"),
     (lambda d: d["models"]["target"].update(tokenizer_size=500), "tokenizer has 500 ids"),
+    # a static-KV graph whose manifest lost its kv_layout (concat by default): the manifest is named
+    (lambda d: d["models"]["target"].pop("kv_layout"), "the manifest lost this model's kv_layout"),
     # the draft shares the target's tokenizer file: the message names that file as the target's
     (lambda d: d["models"]["draft"].update(tokenizer_size=500),
      "draft tokenizer has 500 ids; the target's tokenizer ("),
