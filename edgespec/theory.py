@@ -75,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--c-hat", type=float, default=None, help="draft/target arithmetic ratio for Theorem 3.11 (default: c)")
 
 
+def _fixed_or_sci(v: float) -> str:
+    """3 decimals, or 3 significant digits where that would run past a column (--c 1e308 printed
+    a 300-digit factor)."""
+    return f"{v:.3f}" if abs(v) < 1e9 else f"{v:.3g}"
+
+
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.max_gamma <= 256:  # one table row per gamma
         raise InvalidArgumentError(f"--max-gamma must be in [1, 256]; got {args.max_gamma}")
@@ -89,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     for g in range(1, args.max_gamma + 1):
         mark = "  <- best" if g == best else ""
         print(f"{g:>5}  {expected_tokens(a, g):>12.3f}  {speedup(a, g, c):>16.3f}x  "
-              f"{arithmetic_factor(a, g, c_hat):>16.3f}x  {1 / memory_read_reduction(a, g):>10.3f}x{mark}")
+              f"{_fixed_or_sci(arithmetic_factor(a, g, c_hat)):>16}x  {1 / memory_read_reduction(a, g):>10.3f}x{mark}")
     bound = corollary_bound(a, c)
     edge = " (the largest tabulated: the speedup still rises; raise --max-gamma)" \
         if best == args.max_gamma and args.max_gamma > 1 and speedup(a, best, c) > speedup(a, best - 1, c) else ""

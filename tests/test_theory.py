@@ -96,3 +96,6 @@ def test_plan_table_columns(capsys):
     rows = {int(l.split()[0]): l.split() for l in capsys.readouterr().out.splitlines() if re.match(r"\s+\d+\s", l)}
     # gamma 2: tokens 1.75, speedup 1.75/1.2, ops (2*0.1 + 3)/1.75 (c-hat defaults to c), reads 1/1.75
     assert rows[2][:5] == ["2", "1.750", "1.458x", "1.829x", "0.571x"]
+    assert main(["plan", "--alpha", "0.75", "--c", "1e308", "--max-gamma", "2"]) == 0  # (a 300-digit factor before)
+    rows = {int(l.split()[0]): l.split() for l in capsys.readouterr().out.splitlines() if re.match(r"\s+\d+\s", l)}
+    assert rows[1][3] == "5.71e+307x" and rows[2][3] == "infx"
