@@ -301,6 +301,10 @@ def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
     folder = root / model.path
     if not folder.is_dir():
         raise BundleError(f"bundle is missing the {role} folder {str(folder)!r}; copy the whole bundle or re-export it")
+    inside = Path(root).resolve()
+    if inside not in folder.resolve().parents:  # (a symbolic link out of the bundle)
+        raise UnsafeFileError(f"the {role} folder {str(folder)!r} resolves outside the bundle ({folder.resolve()}); "
+                              "copy the real folder into the bundle (cp -rL) or re-export it")
     expected = contract.GRAPH_FILES[model.kind]
     if set(model.files) != set(expected):
         raise BundleError(f"{role}: manifest lists graphs {sorted(model.files)} but a {model.kind} model needs {sorted(expected)}; re-export")
@@ -311,6 +315,9 @@ def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
                               "it with `edgespec export`")
         if not p.is_file():
             raise BundleError(f"bundle is missing {p}; copy the whole bundle or re-export it with `edgespec export`")
+        if inside not in p.resolve().parents:  # as external data (check_onnx_file): nothing read from outside
+            raise UnsafeFileError(f"{p} resolves outside the bundle ({p.resolve()}); replace the link with the file "
+                                  "itself (cp -L) or re-export the bundle")
         if p.stat().st_size == 0:
             raise BundleError(f"{p} is empty (interrupted copy?); copy the bundle again or re-export it")
         if _is_lfs_pointer(p):

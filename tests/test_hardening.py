@@ -452,6 +452,25 @@ def test_external_data_api_and_cli(bundle_copy, tmp_path, capsys, case):
     cli_fails(gen_argv(b), capsys, needle)
 
 
+@pytest.mark.parametrize("what", ["draft-folder", "graph", "tokenizer"])
+def test_bundle_files_linked_from_outside_are_refused(bundle_copy, tmp_path, capsys, what):
+    """As external data: a model folder, graph or tokenizer that resolves outside the bundle (a
+    symbolic link out of it) is refused; a link that stays inside is fine."""
+    b = bundle_copy()
+    rel = {"draft-folder": "draft", "graph": f"target/{contract.DECODER_FILE}", "tokenizer": f"target/{contract.TOKENIZER_FILE}"}[what]
+    real = tmp_path / "elsewhere" / Path(rel).name
+    real.parent.mkdir()
+    shutil.move(b / rel, real)
+    os.symlink(real, b / rel)
+    with pytest.raises(UnsafeFileError, match="resolves outside the bundle"):
+        load(b)
+    cli_fails(gen_argv(b), capsys, "resolves outside the bundle")
+    os.unlink(b / rel)
+    shutil.move(real, b / "inside")
+    os.symlink(b / "inside", b / rel)                       # a link within the bundle
+    assert load(b).generate(PROMPT, max_new_tokens=2, temperature=0).ids
+
+
 def test_bundle_tokenizer_files(bundle_copy, capsys):
     b = bundle_copy()
     (b / "target" / contract.TOKENIZER_FILE).unlink()
