@@ -325,6 +325,10 @@ def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
                 f"{p} is a Git LFS pointer file, not the model; run `git lfs pull` (or download the real file) "
                 "in the repository the bundle came from"
             )
+    config = folder / contract.CONFIG_FILE  # optional (runtimes cross-check positions with it), read if there
+    if config.is_file() and inside not in config.resolve().parents:
+        raise UnsafeFileError(f"{config} resolves outside the bundle ({config.resolve()}); replace the link with the "
+                              "file itself (cp -L) or re-export the bundle")
     for name in model.files.values():
         check_onnx_file(folder / name)
 

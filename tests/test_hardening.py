@@ -452,12 +452,13 @@ def test_external_data_api_and_cli(bundle_copy, tmp_path, capsys, case):
     cli_fails(gen_argv(b), capsys, needle)
 
 
-@pytest.mark.parametrize("what", ["draft-folder", "graph", "tokenizer"])
+@pytest.mark.parametrize("what", ["draft-folder", "graph", "tokenizer", "config"])
 def test_bundle_files_linked_from_outside_are_refused(bundle_copy, tmp_path, capsys, what):
-    """As external data: a model folder, graph or tokenizer that resolves outside the bundle (a
-    symbolic link out of it) is refused; a link that stays inside is fine."""
+    """As external data: a model folder, graph, tokenizer or config.json that resolves outside the
+    bundle (a symbolic link out of it) is refused; a link that stays inside is fine."""
     b = bundle_copy()
-    rel = {"draft-folder": "draft", "graph": f"target/{contract.DECODER_FILE}", "tokenizer": f"target/{contract.TOKENIZER_FILE}"}[what]
+    rel = {"draft-folder": "draft", "graph": f"target/{contract.DECODER_FILE}", "tokenizer": f"target/{contract.TOKENIZER_FILE}",
+           "config": f"target/{contract.CONFIG_FILE}"}[what]
     real = tmp_path / "elsewhere" / Path(rel).name
     real.parent.mkdir()
     shutil.move(b / rel, real)
