@@ -332,8 +332,8 @@ class AdaptiveGamma:
         is worth, see _CONF_WORTH)."""
         self._prob, self._expected = 1.0, 1.0
         conf_s, round_s = self._conf
-        self._with_conf = (self._fixed is not None or round_s <= 0.0 or conf_s < _CONF_WORTH * round_s
-                           or self._blind + 1 >= _CONF_SAMPLE)
+        self._with_conf = bool(self._fixed is not None or round_s <= 0.0 or conf_s < _CONF_WORTH * round_s
+                               or self._blind + 1 >= _CONF_SAMPLE)  # (a caller's numpy timings give numpy bools)
         self._blind = 0 if self._with_conf else self._blind + 1
         return self._rules[self._with_conf]
 

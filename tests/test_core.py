@@ -763,6 +763,17 @@ def test_the_lookahead_worker_stops_where_the_next_round_would():
     assert rules == [two] and asked == [1, 2]       # asked after y_2 (its draft 1) and y_3 (draft 2)
 
 
+def test_adaptive_policy_takes_numpy_timings():
+    """Timings given as numpy floats (benchmarks/adaptive_bound.py replays measured ones) made the
+    round's confidence flag a numpy bool, which start_round could not use as an index."""
+    from edgespec.adaptive import AdaptiveGamma
+    pol = AdaptiveGamma(8)
+    for _ in range(20):
+        pol.update(np.full(3, 0.5), 2, np.float64(3e-4), np.float64(1e-3), confidence_s=np.float64(1e-6))
+    rule = pol.start_round()
+    assert rule(1, 0.5) in (True, False) and rule.needs_confidence
+
+
 def test_adaptive_policy_ahead_rule_is_keep_going_with_a_state_of_its_own():
     """AdaptiveGamma.ahead(): the next round's rule, decided as keep_going decides a fresh round,
     while this round's keep_going state is left alone (the worker runs it beside the round)."""
