@@ -584,15 +584,19 @@ def test_incompatible_tokenizers(tiny_checkpoints, tmp_path, capsys):
     assert _nothing_written(tmp_path / "o")
 
 
+def _copy_with_config(src: Path, dest: Path, **changes) -> Path:
+    """A copy of checkpoint folder ``src`` at ``dest`` whose config.json has ``changes``."""
+    shutil.copytree(src, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**cfg, **changes}))
+    return dest
+
+
 def test_a_draft_config_with_too_few_rows_is_blamed_on_its_config(tiny_checkpoints, tmp_path):
     """Before the weights are loaded, a pair's rows come from the configs' vocab_size: a config that
     says fewer rows than the tokenizer has ids is named as what may be wrong, not only the tokenizer."""
     target, draft = tiny_checkpoints("gpt2")
-    bad = tmp_path / "draft"
-    shutil.copytree(draft, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["vocab_size"] = 10
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = _copy_with_config(draft, tmp_path / "draft", vocab_size=10)
     with pytest.raises(TokenizerMismatchError, match=r"only 10 embedding rows \(its config.json's vocab_size\); use the "
                        r"tokenizer that was trained with this model, or correct vocab_size in config.json"):
         export_bundle(target, tmp_path / "o", draft=bad, progress=None)
@@ -707,11 +711,7 @@ def test_a_t5_draft_with_another_start_token_warns(tiny_checkpoints, tmp_path, m
     from edgespec.export import pipeline
 
     target, draft = tiny_checkpoints("t5")
-    other = tmp_path / "draft"
-    shutil.copytree(draft, other)
-    cfg = json.loads((other / "config.json").read_text())
-    cfg["decoder_start_token_id"] = 3
-    (other / "config.json").write_text(json.dumps(cfg))
+    other = _copy_with_config(draft, tmp_path / "draft", decoder_start_token_id=3)
 
     def stop(*a, **k):
         raise RuntimeError("checks done")
