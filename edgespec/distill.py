@@ -384,7 +384,9 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     n_gen = _generated_rows(batch_size, generated) if mode is not None else 0
     if n_gen and (pool is None or pool.shape[1] != context + 1):
         raise InvalidArgumentError(f"generated > 0 needs a pool of target continuations [N, {context + 1}]")
+    earlier = saved_seconds(resume)  # (read before _resume empties the dict)
     first = 0 if resume is None else _resume(resume, draft, opt, steps, progress, state_path)
+    t_start = time.perf_counter()
     draft.train()
     target.eval()
     history = []
@@ -416,7 +418,8 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
                 # The last step's state too: a run stopped in what follows (the measurements, a
                 # --baseline draft: minutes on a large target) then does not train again.
                 _atomic_torch_save({"settings": settings, "step": step + 1, "model": draft.state_dict(),
-                                    "optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, state_path)
+                                    "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
+                                    "seconds": earlier + time.perf_counter() - t_start}, state_path)
             if on_step is not None:
                 on_step(step + 1)
     draft.eval()
@@ -436,6 +439,13 @@ def _resume(state: dict, draft, opt, steps: int, progress: bool, where: Path | N
     if progress:
         print(f"edgespec: resuming the distillation at step {step}/{steps} from {where}", file=sys.stderr)
     return step
+
+
+def saved_seconds(state: dict | None) -> float:
+    """The training seconds of the interrupted runs a saved state holds (0: none, or a state saved
+    before it counted them)."""
+    seconds = state.get("seconds", 0.0) if state is not None else 0.0
+    return float(seconds) if isinstance(seconds, (int, float)) and seconds >= 0 else 0.0
 
 
 def saved_state(state_path: Path, settings: dict) -> dict | None:
@@ -621,6 +631,7 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                                            "pool_size", "seed", "corpus", "init", "init_layers", "draft_config",
                                            "target_val_loss")}  # (the target's loss: other weights at the same path)
     resume = saved_state(state_path, settings)  # (loaded once; another run's state is refused before the minutes below)
+    earlier = saved_seconds(resume)
     common = dict(vocab_size=vocab, context=ctx, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                   special_ids=special, progress=progress)
     if init_model is None:
@@ -668,7 +679,9 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                               "val_loss": round(validation_loss(base, windows), 4)}
         report["alpha_gain_over_baseline"] = {k: round(report["alpha_after"][k] - report["baseline"]["alpha"][k], 4)
                                               for k in report["alpha_after"]}
-    report["seconds"] = round(time.perf_counter() - t0, 2)
+    report["seconds"] = round(time.perf_counter() - t0 + earlier, 2)
+    if earlier:  # an interrupted run's training, resumed here: its seconds are in "seconds" too
+        report["seconds_in_earlier_runs"] = round(earlier, 2)
 
     draft.generation_config.pad_token_id = special["pad_token_id"]
     _write_draft(draft, report, target_dir, out_dir, overwrite)

@@ -449,11 +449,13 @@ def _distill_draft(p: PairPreset, target, corpus_info: dict, train_ids, val_wind
         return json.loads(info_path.read_text())
     from transformers import LlamaForCausalLM
 
-    from .distill import saved_state, target_pool, train_draft
+    from .distill import saved_seconds, saved_state, target_pool, train_draft
 
     t0 = time.perf_counter()
     state = work / "draft-distill.state.pt"  # (the work folder is this recipe's, seed and corpus included)
     settings = {"steps": p.draft_distill_steps, "pool": p.draft_distill_pool, "seed": seed}
+    resume = saved_state(state, settings)
+    earlier = saved_seconds(resume)
     draft = LlamaForCausalLM.from_pretrained(work / "draft-corpus", use_safetensors=True)
     pool = target_pool(target, train_ids, p.draft_distill_pool, p.context, seed, progress=progress)  # [pool, context + 1]
     draft = train_draft(target, train_ids, p.draft, vocab_size=int(target.config.vocab_size), context=p.context,
@@ -461,9 +463,8 @@ def _distill_draft(p: PairPreset, target, corpus_info: dict, train_ids, val_wind
                         seed=seed, special_ids=special_ids, generated=DISTILL_GENERATED, pool=pool, init=draft,
                         progress=progress, desc="distill draft on the target",
                         on_step=None if callback is None else (lambda step: callback("draft", step)),
-                        state_path=state, checkpoint_every=p.checkpoint_every, settings=settings,
-                        resume=saved_state(state, settings))
-    seconds = time.perf_counter() - t0
+                        state_path=state, checkpoint_every=p.checkpoint_every, settings=settings, resume=resume)
+    seconds = time.perf_counter() - t0 + earlier  # (an interrupted run's training seconds included)
     val = validation_loss(draft, val_windows)
     save_checkpoint(draft, hf_tok, final)
     info = {**corpus_info, "val_loss": val, "train_seconds": round(corpus_info["train_seconds"] + seconds, 2),

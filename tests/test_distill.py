@@ -431,17 +431,26 @@ def test_an_interrupted_distillation_resumes_where_it_stopped(target, corpus, tm
     state = tmp_path / ".d.distill-state.pt"
     assert state.is_file() and not (tmp_path / "d").exists()
     assert "run the same command again to resume" in capsys.readouterr().err
+    import torch
+
+    saved = torch.load(state, weights_only=True)
+    assert saved["seconds"] > 0                                  # the interrupted run's 4 steps
+    torch.save({**saved, "seconds": 1000.0}, state)              # large enough to tell apart
+    real_save, saves = pair._atomic_torch_save, []
+    monkeypatch.setattr(pair, "_atomic_torch_save", lambda d, p: (saves.append(d["seconds"]), real_save(d, p))[1])
     with pytest.raises(InvalidArgumentError, match=r"other settings \(steps: steps 6 there, 8 now\).*delete that file"):
         distill(target, tmp_path / "d", **{**kw, "steps": 8})
     monkeypatch.setattr(pair, "optimizer_step", real)
     calls.clear()
     monkeypatch.setattr(pair, "optimizer_step", lambda *a: (calls.append(1), real(*a))[1])
-    import torch
-
     loads, real_load = [], torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: (loads.append(a[0]), real_load(*a, **k))[1])
-    distill(target, tmp_path / "d", **{**kw, "progress": True})
+    report = distill(target, tmp_path / "d", **{**kw, "progress": True})
     assert len(calls) == 2 and "resuming the distillation at step 4/6" in capsys.readouterr().err
+    # the report's seconds count the interrupted run's training too (they counted the last run only),
+    # and so does the state this run saves (for a second interruption)
+    assert report["seconds_in_earlier_runs"] == 1000.0 and report["seconds"] > 1000.0
+    assert saves and all(s > 1000.0 for s in saves)
     assert loads == [state]                # read once: checked early, then resumed from
     assert not state.exists()
     whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "d" / "model.safetensors")

@@ -220,11 +220,20 @@ def test_distilled_pair_resumes(distilled_pair, corpus, tmp_path, stop_role, sto
 
     with pytest.raises(_Interrupt):
         train_pair(_DISTILLED, corpus, out, progress=False, callback=interrupt)
+    if stop_role == "draft":  # the interrupted run's training seconds, made large enough to tell apart
+        import torch
+
+        state_path = out.with_name("resumed.work") / "draft-distill.state.pt"
+        state = torch.load(state_path, weights_only=True)
+        assert state["seconds"] > 0
+        torch.save({**state, "seconds": 1000.0}, state_path)
     seen: list[tuple[str, int]] = []
     final = train_pair(_DISTILLED, corpus, out, progress=False, callback=lambda r, s: seen.append((r, s)))
     assert "target" not in {r for r, _ in seen}
     if stop_role == "draft":
         assert {r for r, _ in seen} == {"draft"} and seen[0] == ("draft", 6)
+        # the distillation's seconds count the interrupted run's too (they counted the last run only)
+        assert json.loads((final / "pair.json").read_text())["draft"]["distilled"]["seconds"] > 1000.0
     assert _weights(final) == _weights(distilled_pair)
     assert not out.with_name("resumed.work").exists()
 
