@@ -15,6 +15,7 @@ processed distributions (temperature 0: one-hot argmax; otherwise softmax(logits
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -536,8 +537,9 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     corpus windows and on the target's own continuations of held-out prefixes (what decoding sees).
     ``init`` continues a draft checkpoint in its own shape; ``layers`` above its count grows it first
     (:func:`grow_layers`). Every ``checkpoint_every`` steps (0: never) the training state is saved
-    beside ``out`` (``.<name>.distill-state.pt``); the same call run again after an interruption
-    resumes from it, and it is deleted once the draft is written."""
+    beside ``out`` (``.<name>.distill-state.pt``, and the baseline's ``.<name>.distill-baseline-state.pt``);
+    the same call run again after an interruption resumes from it, and it is deleted once the draft is
+    written."""
     from .corpus import encode_docs, load_documents
     from .pair import _check_int, heldout_windows, new_llama, validation_loss
 
@@ -631,7 +633,9 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                                            "pool_size", "seed", "corpus", "init", "init_layers", "draft_config",
                                            "target_val_loss")}  # (the target's loss: other weights at the same path)
     resume = saved_state(state_path, settings)  # (loaded once; another run's state is refused before the minutes below)
-    earlier = saved_seconds(resume)
+    base_path = out_dir.with_name(f".{out_dir.name}.distill-baseline-state.pt")  # --baseline's draft, likewise
+    base_resume = saved_state(base_path, settings) if baseline else None
+    earlier = saved_seconds(resume) + saved_seconds(base_resume)
     common = dict(vocab_size=vocab, context=ctx, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                   special_ids=special, progress=progress)
     if init_model is None:
@@ -659,22 +663,19 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     import copy
 
     start = copy.deepcopy(before)
-    try:
+    with _saved_on_interrupt(state_path, "the distillation"):
         draft = train_draft(tmodel, train_ids, draft_size, mode=mode, generated=generated, pool=pool, init=start,
                             desc="distill", state_path=state_path, checkpoint_every=checkpoint_every,
                             settings=settings, resume=resume, **common)
-    except KeyboardInterrupt:
-        if state_path.is_file():
-            print(f"edgespec: the distillation so far is saved in {state_path}; run the same command again to resume "
-                  "from it (delete that file to start over)", file=sys.stderr)
-        raise
     report["draft_params"] = sum(p.numel() for p in draft.parameters())
     report["alpha_after"] = alphas(draft)
     report["alpha_on_target_after"] = alphas_on_target(draft)
     report["draft_val_loss"] = round(validation_loss(draft, windows), 4)
     if baseline:
-        base = train_draft(tmodel, train_ids, draft_size, mode=None, init=copy.deepcopy(before),
-                           desc="baseline (corpus only)", **common)
+        with _saved_on_interrupt(base_path, "the baseline draft's training"):
+            base = train_draft(tmodel, train_ids, draft_size, mode=None, init=copy.deepcopy(before),
+                               desc="baseline (corpus only)", state_path=base_path, checkpoint_every=checkpoint_every,
+                               settings=settings, resume=base_resume, **common)
         report["baseline"] = {"alpha": alphas(base), "alpha_on_target": alphas_on_target(base),
                               "val_loss": round(validation_loss(base, windows), 4)}
         report["alpha_gain_over_baseline"] = {k: round(report["alpha_after"][k] - report["baseline"]["alpha"][k], 4)
@@ -686,7 +687,20 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     draft.generation_config.pad_token_id = special["pad_token_id"]
     _write_draft(draft, report, target_dir, out_dir, overwrite)
     state_path.unlink(missing_ok=True)
+    base_path.unlink(missing_ok=True)
     return report
+
+
+@contextlib.contextmanager
+def _saved_on_interrupt(state_path: Path, what: str):
+    """On Ctrl-C, say where the training state is (when one was saved) and how to resume."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if state_path.is_file():
+            print(f"edgespec: {what} so far is saved in {state_path}; run the same command again to resume "
+                  "from it (delete that file to start over)", file=sys.stderr)
+        raise
 
 
 # ----------------------------------------------------------------------------- CLI

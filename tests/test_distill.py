@@ -405,6 +405,36 @@ def test_distill_from_init_keeps_its_shape_and_grows(target, corpus, tmp_path):
     assert (tmp_path / "a" / "notes.txt").read_text() == "mine" and (tmp_path / "a" / "distill.json").exists()
 
 
+def test_an_interrupted_baseline_resumes_too(target, corpus, tmp_path, monkeypatch, capsys):
+    """--baseline's corpus-only draft saves its training state as the distilled draft does: stopped in
+    it, the rerun neither distils again nor trains the baseline from its start, and reports what an
+    uninterrupted run reports (it used to train the baseline again from step 0)."""
+    import edgespec.pair as pair
+
+    kw = dict(hidden=16, layers=1, heads=1, intermediate=32, corpus=corpus, steps=6, batch_size=4, eval_windows=2,
+              generated=0.5, pool_size=3, checkpoint_every=2, progress=False, baseline=True)
+    whole = distill(target, tmp_path / "whole", **kw)
+    real, calls = pair.optimizer_step, []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == 6 + 3:    # the baseline's third step, after its state of step 2 was saved
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(pair, "optimizer_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        distill(target, tmp_path / "d", **kw)
+    base_state = tmp_path / ".d.distill-baseline-state.pt"
+    assert base_state.is_file() and "the baseline draft's training so far is saved in" in capsys.readouterr().err
+    calls.clear()
+    monkeypatch.setattr(pair, "optimizer_step", lambda *a: (calls.append(1), real(*a))[1])
+    resumed = distill(target, tmp_path / "d", **kw)
+    assert len(calls) == 4                                     # the baseline's steps 3-6 only
+    assert resumed["baseline"] == whole["baseline"] and resumed["alpha_after"] == whole["alpha_after"]
+    assert not base_state.exists() and not (tmp_path / ".d.distill-state.pt").exists()
+
+
 def test_an_interrupted_distillation_resumes_where_it_stopped(target, corpus, tmp_path, monkeypatch, capsys):
     """The training state is saved beside --out every --checkpoint-every steps; after an interruption
     the same call resumes from it and ends with the weights an uninterrupted run has (every batch is
