@@ -379,7 +379,9 @@ class AdaptiveGamma:
 
     def ahead(self) -> Callable[[int, float], bool]:
         """The next round's keep_going, for a drafter that drafts it while this round is verified
-        (LookaheadDrafter): the same rule on what has been learned so far, with a state of its own.
+        (LookaheadDrafter): the same rule on what has been learned before this round, with a state of
+        its own (this round's lesson may change the rule before the next round; a reused round is
+        then cut by both, so it can only be shorter, and stays exact).
         It runs on the drafter's worker thread; the policy learns (update) only after the drafter's
         rollback has waited for that thread, so the tables it reads do not change under it."""
         state = [1.0, 1.0]                 # P(every draft so far kept), E[tokens]: as _prob, _expected
@@ -452,15 +454,15 @@ class AdaptiveGamma:
         if self._rounds <= self._untimed or switched:  # warm-up rounds (see _UNTIMED_ROUNDS), or cold (_last)
             return
         if g:
-            if with_conf and self._fixed is None:
+            # A lookahead drafter's reused drafts were made while the last round was verified: ~0 s
+            # here, whatever their number, their confidences included. Fitted with the others, they
+            # made the draft line's slope a matter of which rounds were reused (intercept -0.16 ms,
+            # slope 0.13 ms a draft against ~0.09 in one quick-pair run), drafting look cheaper than
+            # it is in the rounds that pay for it, and confidences too.
+            if with_conf and self._fixed is None and not reused:
                 self._conf = [self._conf[0] * _SPEC_FORGET + confidence_s,
                               self._conf[1] * _SPEC_FORGET + draft_s + target_s]
             if not reused:
-                # A lookahead drafter's reused drafts were made while the last round was verified:
-                # ~0 s here, whatever their number. Fitted with the others, they made the line's
-                # slope a matter of which rounds were reused (intercept -0.16 ms, slope 0.13 ms a
-                # draft against ~0.09 in one quick-pair run) and drafting look cheaper than it is
-                # in the rounds that pay for it.
                 self._draft_time.add(g, draft_s)
             if self._fixed is not None:      # priced in target steps, as start_round does
                 c, slope = self._fixed

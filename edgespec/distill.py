@@ -358,7 +358,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
                 mode: str | None, seed: int, special_ids: dict, generated: float = 0.0, pool=None, init=None,
                 progress: bool = True, desc: str = "distill", on_step: Callable[[int], None] | None = None,
                 state_path: Path | None = None, checkpoint_every: int = 0, settings: dict | None = None,
-                resume: dict | None = None):
+                resume: dict | None = None, what: str = "the distillation"):
     """Train a Llama draft. ``mode=None`` is the corpus-only baseline (cross-entropy on the same
     windows); otherwise the draft matches the target's distributions with the given loss. With
     ``generated > 0`` that fraction of each batch is rows of ``pool`` ``[N, context + 1]`` (the
@@ -386,7 +386,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     if n_gen and (pool is None or pool.shape[1] != context + 1):
         raise InvalidArgumentError(f"generated > 0 needs a pool of target continuations [N, {context + 1}]")
     earlier = saved_seconds(resume)  # (read before _resume empties the dict)
-    first = 0 if resume is None else _resume(resume, draft, opt, steps, progress, state_path)
+    first = 0 if resume is None else _resume(resume, draft, opt, steps, progress, state_path, what)
     t_start = time.perf_counter()
     draft.train()
     target.eval()
@@ -427,7 +427,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
     return draft
 
 
-def _resume(state: dict, draft, opt, steps: int, progress: bool, where: Path | None) -> int:
+def _resume(state: dict, draft, opt, steps: int, progress: bool, where: Path | None, what: str) -> int:
     """Load a saved training state into ``draft`` and ``opt``; returns the step to go on from. The
     dict is emptied (the caller's reference no longer holds a copy of the weights and moments)."""
     import torch
@@ -438,7 +438,7 @@ def _resume(state: dict, draft, opt, steps: int, progress: bool, where: Path | N
     step = int(state["step"])
     state.clear()
     if progress:
-        print(f"edgespec: resuming the distillation at step {step}/{steps} from {where}", file=sys.stderr)
+        print(f"edgespec: resuming {what} at step {step}/{steps} from {where}", file=sys.stderr)
     return step
 
 
@@ -446,10 +446,10 @@ def saved_seconds(state: dict | None) -> float:
     """The training seconds of the interrupted runs a saved state holds (0: none, or a state saved
     before it counted them)."""
     seconds = state.get("seconds", 0.0) if state is not None else 0.0
-    return float(seconds) if isinstance(seconds, (int, float)) and seconds >= 0 else 0.0
+    return float(seconds) if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0 else 0.0
 
 
-def saved_state(state_path: Path, settings: dict) -> dict | None:
+def saved_state(state_path: Path, settings: dict, what: str = "the distillation") -> dict | None:
     """The training state train_draft saved at ``state_path`` (None: none), checked to have been
     saved with ``settings``: another run's state is an error that names what differs."""
     import torch
@@ -462,12 +462,12 @@ def saved_state(state_path: Path, settings: dict) -> dict | None:
         if not isinstance(saved, dict):
             raise TypeError(f"settings are a {type(saved).__name__}")
     except Exception as exc:  # damaged (a crash mid-write leaves the previous state: the write is atomic)
-        raise TrainingError(f"cannot read the saved distillation state {state_path} ({exc}); delete it to start "
+        raise TrainingError(f"cannot read the saved state of {what} {state_path} ({exc}); delete it to start "
                             "over") from None
     if saved != settings:
         changed = sorted(k for k in set(saved) | set(settings) if saved.get(k) != settings.get(k))
         raise InvalidArgumentError(
-            f"{state_path} holds an interrupted distillation with other settings ({', '.join(changed)}: "
+            f"{state_path} holds {what}, interrupted, with other settings ({', '.join(changed)}: "
             + "; ".join(f"{k} {saved.get(k)!r} there, {settings.get(k)!r} now" for k in changed[:3])
             + "); run it with its settings to resume it, or delete that file to start this one over")
     return state
@@ -634,8 +634,9 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
                                            "target_val_loss")}  # (the target's loss: other weights at the same path)
     resume = saved_state(state_path, settings)  # (loaded once; another run's state is refused before the minutes below)
     base_path = out_dir.with_name(f".{out_dir.name}.distill-baseline-state.pt")  # --baseline's draft, likewise
-    base_resume = saved_state(base_path, settings) if baseline else None
-    earlier = saved_seconds(resume) + saved_seconds(base_resume)
+    # (checked now, read again before the baseline: not held through the distillation)
+    earlier = saved_seconds(resume) + saved_seconds(saved_state(base_path, settings, "the baseline draft's training")
+                                                    if baseline else None)
     common = dict(vocab_size=vocab, context=ctx, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                   special_ids=special, progress=progress)
     if init_model is None:
@@ -672,10 +673,11 @@ def distill(target: os.PathLike | str, out: os.PathLike | str, *, size: str | No
     report["alpha_on_target_after"] = alphas_on_target(draft)
     report["draft_val_loss"] = round(validation_loss(draft, windows), 4)
     if baseline:
-        with _saved_on_interrupt(base_path, "the baseline draft's training"):
+        what = "the baseline draft's training"
+        with _saved_on_interrupt(base_path, what):
             base = train_draft(tmodel, train_ids, draft_size, mode=None, init=copy.deepcopy(before),
                                desc="baseline (corpus only)", state_path=base_path, checkpoint_every=checkpoint_every,
-                               settings=settings, resume=base_resume, **common)
+                               settings=settings, resume=saved_state(base_path, settings, what), what=what, **common)
         report["baseline"] = {"alpha": alphas(base), "alpha_on_target": alphas_on_target(base),
                               "val_loss": round(validation_loss(base, windows), 4)}
         report["alpha_gain_over_baseline"] = {k: round(report["alpha_after"][k] - report["baseline"]["alpha"][k], 4)

@@ -204,7 +204,8 @@ class LookaheadDrafter(ModelDrafter):
             # way whatever the worker gets done before it is stopped.
             us = iter(rng.random(k).tolist()) if not sampling.greedy else None
             # An adaptive policy's rule for the next round (its drafts are y_2..): the worker stops
-            # where that round would. Drafting on to gamma + 1 made jobs longer than the rounds that
+            # where that round would by what the policy has learned so far (AdaptiveGamma.ahead).
+            # Drafting on to gamma + 1 made jobs longer than the rounds that
             # use them, and the second core's work slows the verify call it runs beside (quick pair,
             # T=1: verify calls 12% dearer; adaptive gamma 0.84 of static gamma 5, see benchmarks/README.md).
             ahead = getattr(keep_going, "ahead", None)

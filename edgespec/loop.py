@@ -198,11 +198,15 @@ def speculative_step(target: Backend, drafter, generated: list[int], gamma: int,
     stats.beta_sum += beta_total
     stats.beta_count += examined
     # The test keeps x with probability min(1, p(x) / (l q(x))): on average sum_x min(q, p / l) per
-    # position (Appendix A.5), beta itself at l = 1 and at greedy (greedy_verdict ignores l). Summed
-    # as min(l q, p) / l: p / l overflowed (with a numpy warning) for a lenience near 1e-308.
+    # position (Appendix A.5), beta itself at l = 1 and at greedy (greedy_verdict ignores l). For a
+    # lenience near 1e-308, p / l overflows to inf and the minimum is q, as it should be (the numpy
+    # warning is not the user's concern).
     lenient = not sampling.greedy and config.lenience < 1
-    l = config.lenience
-    stats.keep_sum += float(np.minimum(l * q[:examined], p[:examined]).sum() / l) if lenient else beta_total
+    if lenient:
+        with np.errstate(over="ignore"):
+            stats.keep_sum += float(np.minimum(q[:examined], p[:examined] / config.lenience).sum())
+    else:
+        stats.keep_sum += beta_total
     # Roll back by moving positions: the target keeps pending + x_1..x_n, the new pending token
     # is the verdict's; the draft keeps at most the same prefix.
     target.rewind_to(target.length - g + n)

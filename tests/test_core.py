@@ -797,6 +797,24 @@ def test_adaptive_policy_ahead_rule_is_keep_going_with_a_state_of_its_own():
     assert [first] + [rule(i, c) for i, c in enumerate(confs[1:], start=2)] == want
 
 
+@pytest.mark.parametrize("lenience", [0.5, 1e-308, 5e-324])
+def test_the_lenient_keep_statistic_is_sum_min_q_p_over_l_without_overflow(lenience):
+    """stats.keep_sum adds sum_x min(q, p / l) per examined position (Appendix A.5); for a lenience
+    near 1e-308, p / l overflows and the minimum is q (sum 1 a position), with no numpy warning."""
+    import warnings
+    t, d = toy_pair(16, 2, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = generate(t, [1, 2, 3], cfg(max_new_tokens=30, gamma=3, sampling=SamplingConfig(1.0), lenience=lenience),
+                     np.random.default_rng(0), draft=d)
+    st = r.stats
+    assert st.beta_count > 10
+    if lenience < 1e-300:
+        assert st.keep_sum == pytest.approx(st.beta_count)     # every draft kept: min(q, inf) = q
+    else:
+        assert st.beta_sum < st.keep_sum < st.beta_count
+
+
 def test_reused_lookahead_rounds_do_not_price_drafting():
     """A round whose drafts the lookahead worker made during the last verify took ~0 s to draft,
     whatever their number: the policy's draft-time line learns from the other rounds only, and the
@@ -807,11 +825,12 @@ def test_reused_lookahead_rounds_do_not_price_drafting():
     for g in (2, 4) * 20:
         pol.update(np.full(g, 0.9), g, draft_s=g * 1e-4, target_s=1e-3)
     pol._flush()
-    line = pol._draft_time.line()
-    for _ in range(20):
-        pol.update(np.full(6, 0.9), 6, draft_s=1e-6, target_s=1e-3, reused=True)
+    line, conf = pol._draft_time.line(), pol._conf
+    for _ in range(20):   # (their confidences were computed by the worker too: ~0 s here)
+        pol.update(np.full(6, 0.9), 6, draft_s=1e-6, target_s=1e-3, reused=True, confidence_s=0.0)
     pol._flush()
     assert pol._draft_time.line() == line and line[1] == pytest.approx(1e-4)
+    assert pol._conf == conf                  # nor what confidences cost
 
     class Recording(AdaptiveGamma):
         def update(self, *a, reused=False, **k):

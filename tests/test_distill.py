@@ -429,8 +429,9 @@ def test_an_interrupted_baseline_resumes_too(target, corpus, tmp_path, monkeypat
     assert base_state.is_file() and "the baseline draft's training so far is saved in" in capsys.readouterr().err
     calls.clear()
     monkeypatch.setattr(pair, "optimizer_step", lambda *a: (calls.append(1), real(*a))[1])
-    resumed = distill(target, tmp_path / "d", **kw)
+    resumed = distill(target, tmp_path / "d", **{**kw, "progress": True})
     assert len(calls) == 4                                     # the baseline's steps 3-6 only
+    assert "resuming the baseline draft's training at step 2/6" in capsys.readouterr().err
     assert resumed["baseline"] == whole["baseline"] and resumed["alpha_after"] == whole["alpha_after"]
     assert not base_state.exists() and not (tmp_path / ".d.distill-state.pt").exists()
 

@@ -256,6 +256,7 @@ def test_plain_steps_between_rounds_keep_greedy_output(tiny_bundle, monkeypatch,
 def test_non_finite_logits_from_an_onnx_model(tiny_bundle, capsys, monkeypatch, where, bad):
     from edgespec.runtimes import onnx_backend
 
+    bundle = tiny_bundle("gpt2")  # before the poison: the fixture's first use exports (and validates through _forward)
     real = onnx_backend.OnnxDecoderBackend._forward
     state = {"calls": 0}
 
@@ -270,14 +271,14 @@ def test_non_finite_logits_from_an_onnx_model(tiny_bundle, capsys, monkeypatch, 
         return out
 
     monkeypatch.setattr(onnx_backend.OnnxDecoderBackend, "_forward", poisoned)
-    eng = load(tiny_bundle("gpt2"), threads=1)
+    eng = load(bundle, threads=1)
     for kwargs in ({"temperature": 0}, {"temperature": 1.0, "top_k": 5}, {"use_draft": False}):
         state["calls"] = 0
         with pytest.raises(NonFiniteLogitsError, match="NaN or \\+inf|-inf everywhere"):
             eng.generate(PROMPT, max_new_tokens=20, seed=0, **kwargs)
     state["calls"] = 0
     # seeded: unseeded sampling could hit EOS before the poisoned call and make the check flaky
-    rc = main(gen_argv(tiny_bundle("gpt2"), "--max-new-tokens", "20", "--seed", "0"))
+    rc = main(gen_argv(bundle, "--max-new-tokens", "20", "--seed", "0"))
     cap = capsys.readouterr()
     assert rc != 0 and ("NaN or +inf" in cap.err or "-inf everywhere" in cap.err) and "Traceback" not in cap.err
     if where == "prefill":
