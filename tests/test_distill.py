@@ -405,6 +405,22 @@ def test_distill_from_init_keeps_its_shape_and_grows(target, corpus, tmp_path):
     assert (tmp_path / "a" / "notes.txt").read_text() == "mine" and (tmp_path / "a" / "distill.json").exists()
 
 
+def _interrupt_at(monkeypatch, n: int):
+    """Make the n-th optimizer step (counting from now) raise KeyboardInterrupt; returns the real
+    optimizer_step and the list each call appends to."""
+    import edgespec.pair as pair
+    real, calls = pair.optimizer_step, []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+        return real(*a)
+
+    monkeypatch.setattr(pair, "optimizer_step", interrupted)
+    return real, calls
+
+
 def test_an_interrupted_baseline_resumes_too(target, corpus, tmp_path, monkeypatch, capsys):
     """--baseline's corpus-only draft saves its training state as the distilled draft does: stopped in
     it, the rerun neither distils again nor trains the baseline from its start, and reports what an
@@ -414,15 +430,7 @@ def test_an_interrupted_baseline_resumes_too(target, corpus, tmp_path, monkeypat
     kw = dict(hidden=16, layers=1, heads=1, intermediate=32, corpus=corpus, steps=6, batch_size=4, eval_windows=2,
               generated=0.5, pool_size=3, checkpoint_every=2, progress=False, baseline=True)
     whole = distill(target, tmp_path / "whole", **kw)
-    real, calls = pair.optimizer_step, []
-
-    def interrupted(*a):
-        calls.append(1)
-        if len(calls) == 6 + 3:    # the baseline's third step, after its state of step 2 was saved
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(pair, "optimizer_step", interrupted)
+    real, calls = _interrupt_at(monkeypatch, 6 + 3)  # the baseline's third step, after its state of step 2 was saved
     with pytest.raises(KeyboardInterrupt):
         distill(target, tmp_path / "d", **kw)
     base_state = tmp_path / ".d.distill-baseline-state.pt"
@@ -448,15 +456,7 @@ def test_an_interrupted_distillation_resumes_where_it_stopped(target, corpus, tm
     kw = dict(hidden=16, layers=1, heads=1, intermediate=32, corpus=corpus, steps=6, batch_size=4, eval_windows=2,
               generated=0.5, pool_size=3, checkpoint_every=2, progress=False)
     distill(target, tmp_path / "whole", **kw)
-    real, calls = pair.optimizer_step, []
-
-    def interrupted(*a):
-        calls.append(1)
-        if len(calls) == 5:        # during the fifth step, after the state of step 4 was saved
-            raise KeyboardInterrupt
-        return real(*a)
-
-    monkeypatch.setattr(pair, "optimizer_step", interrupted)
+    real, calls = _interrupt_at(monkeypatch, 5)  # during the fifth step, after the state of step 4 was saved
     with pytest.raises(KeyboardInterrupt):
         distill(target, tmp_path / "d", **kw)
     state = tmp_path / ".d.distill-state.pt"
