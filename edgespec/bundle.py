@@ -302,9 +302,7 @@ def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
     if not folder.is_dir():
         raise BundleError(f"bundle is missing the {role} folder {str(folder)!r}; copy the whole bundle or re-export it")
     inside = Path(root).resolve()
-    if inside not in folder.resolve().parents:  # (a symbolic link out of the bundle)
-        raise UnsafeFileError(f"the {role} folder {str(folder)!r} resolves outside the bundle ({folder.resolve()}); "
-                              "copy the real folder into the bundle (cp -rL) or re-export it")
+    _refuse_outside(folder, inside)
     expected = contract.GRAPH_FILES[model.kind]
     if set(model.files) != set(expected):
         raise BundleError(f"{role}: manifest lists graphs {sorted(model.files)} but a {model.kind} model needs {sorted(expected)}; re-export")
@@ -315,9 +313,7 @@ def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
                               "it with `edgespec export`")
         if not p.is_file():
             raise BundleError(f"bundle is missing {p}; copy the whole bundle or re-export it with `edgespec export`")
-        if inside not in p.resolve().parents:  # as external data (check_onnx_file): nothing read from outside
-            raise UnsafeFileError(f"{p} resolves outside the bundle ({p.resolve()}); replace the link with the file "
-                                  "itself (cp -L) or re-export the bundle")
+        _refuse_outside(p, inside)
         if p.stat().st_size == 0:
             raise BundleError(f"{p} is empty (interrupted copy?); copy the bundle again or re-export it")
         if _is_lfs_pointer(p):
@@ -326,11 +322,19 @@ def check_model_folder(root: Path, model: ModelManifest, role: str) -> None:
                 "in the repository the bundle came from"
             )
     config = folder / contract.CONFIG_FILE  # optional (runtimes cross-check positions with it), read if there
-    if config.is_file() and inside not in config.resolve().parents:
-        raise UnsafeFileError(f"{config} resolves outside the bundle ({config.resolve()}); replace the link with the "
-                              "file itself (cp -L) or re-export the bundle")
+    if config.is_file():
+        _refuse_outside(config, inside)
     for name in model.files.values():
         check_onnx_file(folder / name)
+
+
+def _refuse_outside(path: Path, inside: Path) -> None:
+    """A bundle's folder or file must resolve inside the bundle (``inside``, resolved): a symbolic
+    link out of it is refused, as external data is (check_onnx_file), so nothing is read from elsewhere."""
+    real = path.resolve()
+    if inside not in real.parents:
+        raise UnsafeFileError(f"{path} resolves outside the bundle ({real}); replace the link with what it points to "
+                              "(cp -L; a folder: cp -rL) or re-export the bundle")
 
 
 # ---- minimal protobuf walk over an ONNX ModelProto ------------------------------------------------

@@ -420,7 +420,7 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
                 # --baseline draft: minutes on a large target) then does not train again.
                 _atomic_torch_save({"settings": settings, "step": step + 1, "model": draft.state_dict(),
                                     "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
-                                    "seconds": earlier + time.perf_counter() - t_start}, state_path)
+                                    "elapsed": earlier + time.perf_counter() - t_start}, state_path)
             if on_step is not None:
                 on_step(step + 1)
     draft.eval()
@@ -430,11 +430,9 @@ def train_draft(target, train_ids, size, *, vocab_size: int, context: int, steps
 def _resume(state: dict, draft, opt, steps: int, progress: bool, where: Path | None, what: str) -> int:
     """Load a saved training state into ``draft`` and ``opt``; returns the step to go on from. The
     dict is emptied (the caller's reference no longer holds a copy of the weights and moments)."""
-    import torch
+    from .pair import restore_training
 
-    draft.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
+    restore_training(state, draft, opt)
     step = int(state["step"])
     state.clear()
     if progress:
@@ -445,7 +443,7 @@ def _resume(state: dict, draft, opt, steps: int, progress: bool, where: Path | N
 def saved_seconds(state: dict | None) -> float:
     """The training seconds of the interrupted runs a saved state holds (0: none, or a state saved
     before it counted them)."""
-    seconds = state.get("seconds", 0.0) if state is not None else 0.0
+    seconds = state.get("elapsed", 0.0) if state is not None else 0.0  # (the key train-pair's states use)
     return float(seconds) if isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0 else 0.0
 
 

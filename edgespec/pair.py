@@ -336,6 +336,16 @@ def save_checkpoint(model, hf_tok, folder: Path) -> None:
     os.replace(tmp, folder)
 
 
+def restore_training(state: dict, model, opt) -> None:
+    """Put a saved training state's weights, optimizer moments and torch RNG back (the states
+    train-pair and `edgespec distill` save: "model", "optimizer", "rng", "step", "elapsed" in seconds)."""
+    import torch
+
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+
+
 def optimizer_step(model, opt, loss, diverged) -> None:
     """One clipped optimizer step; a non-finite loss stops training with the message ``diverged()``
     (a callable, so the message is only formatted when it is needed)."""
@@ -380,9 +390,7 @@ def _train_one(role: str, size: ModelSize, preset: PairPreset, steps: int, lr: f
     if state_path.is_file():
         try:
             state = torch.load(state_path, weights_only=True)
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            torch.set_rng_state(state["rng"])
+            restore_training(state, model, opt)
             step, elapsed, last_loss = int(state["step"]), float(state["elapsed"]), float(state["loss"])
             if progress:
                 print(f"edgespec: resuming {role} training at step {step}/{steps}", file=sys.stderr)

@@ -465,10 +465,10 @@ def test_an_interrupted_distillation_resumes_where_it_stopped(target, corpus, tm
     import torch
 
     saved = torch.load(state, weights_only=True)
-    assert saved["seconds"] > 0                                  # the interrupted run's 4 steps
-    torch.save({**saved, "seconds": 1000.0}, state)              # large enough to tell apart
+    assert saved["elapsed"] > 0                                  # the interrupted run's 4 steps
+    torch.save({**saved, "elapsed": 1000.0}, state)              # large enough to tell apart
     real_save, saves = pair._atomic_torch_save, []
-    monkeypatch.setattr(pair, "_atomic_torch_save", lambda d, p: (saves.append(d["seconds"]), real_save(d, p))[1])
+    monkeypatch.setattr(pair, "_atomic_torch_save", lambda d, p: (saves.append(d["elapsed"]), real_save(d, p))[1])
     with pytest.raises(InvalidArgumentError, match=r"other settings \(steps: steps 6 there, 8 now\).*delete that file"):
         distill(target, tmp_path / "d", **{**kw, "steps": 8})
     monkeypatch.setattr(pair, "optimizer_step", real)

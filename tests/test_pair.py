@@ -225,8 +225,8 @@ def test_distilled_pair_resumes(distilled_pair, corpus, tmp_path, stop_role, sto
 
         state_path = out.with_name("resumed.work") / "draft-distill.state.pt"
         state = torch.load(state_path, weights_only=True)
-        assert state["seconds"] > 0
-        torch.save({**state, "seconds": 1000.0}, state_path)
+        assert state["elapsed"] > 0
+        torch.save({**state, "elapsed": 1000.0}, state_path)
     seen: list[tuple[str, int]] = []
     final = train_pair(_DISTILLED, corpus, out, progress=False, callback=lambda r, s: seen.append((r, s)))
     assert "target" not in {r for r, _ in seen}
